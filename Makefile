@@ -1,0 +1,64 @@
+# Two commands matter: `make book` and `make test`. The rest are the parts they use.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export PYTHONHASHSEED := 0
+export MPLBACKEND := Agg
+# Keep notebooks, tests and benchmarks to the two cores of the course machines.
+export OMP_NUM_THREADS ?= 2
+
+CHAPTERS := $(wildcard book/*.ipynb)
+SOURCES  := $(wildcard assignments/source/*/*.ipynb)
+
+.PHONY: help setup book test lint unit notebooks grading browser bench serve clean
+
+help:
+	@echo "make book      build the Jupyter Book into _build/html (creates .venv on first use)"
+	@echo "make test      lint, unit tests, notebook validation, grading pipeline, book build, browser test"
+	@echo "make lint | unit | notebooks | grading | browser   one part of 'make test'"
+	@echo "make bench     rerun the benchmarks behind the comparison chapter (slow)"
+	@echo "make serve     serve the built book on http://127.0.0.1:8000"
+	@echo "make clean     remove the build, caches and nbgrader's generated folders"
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+book: $(STAMP)
+	$(BIN)/jupyter-book build . -W --keep-going
+	@echo "Book built: $(CURDIR)/_build/html/index.html"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks assignments book
+
+unit: $(STAMP)
+	$(BIN)/pytest -q tests --ignore=tests/test_grading.py --ignore=tests/test_browser.py
+
+notebooks: $(STAMP)
+	$(BIN)/pytest -q --nbval-lax -p no:cacheprovider $(CHAPTERS) $(SOURCES)
+
+grading: $(STAMP)
+	$(BIN)/pytest -q tests/test_grading.py
+
+browser: book
+	$(BIN)/pytest -q tests/test_browser.py
+
+test: lint unit notebooks grading browser
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/attention_speed.py
+
+serve: book
+	cd _build/html && $(BIN)/python -m http.server 8000 --bind 127.0.0.1
+
+clean:
+	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache
+	rm -rf assignments/release assignments/submitted assignments/autograded assignments/feedback assignments/gradebook.db

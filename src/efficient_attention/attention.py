@@ -1,0 +1,222 @@
+"""Exact (quadratic) attention: the reference every efficient method is checked against.
+
+Shapes follow ``(..., n, d)``: any leading batch dimensions (batch, heads), then
+the sequence, then the features.
+
+Reference: Vaswani et al., "Attention Is All You Need", NeurIPS 2017.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_tensor
+
+__all__ = [
+    "default_device",
+    "causal_mask",
+    "softmax_attention",
+    "argmax_attention",
+    "MultiHeadAttention",
+]
+
+
+def default_device() -> torch.device:
+    """CUDA when a GPU is visible, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def causal_mask(n: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``(n, n)`` mask that is ``True`` where query ``i`` may *not* see key ``j`` (j > i).
+
+    This is the PyTorch convention for masks that remove entries (``True`` = masked).
+    """
+    check_positive_int(n, "n")
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Scaled, masked scores ``q k^T * scale`` of shape ``(..., n_q, n_k)``; masked = -inf."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        if n_q != n_k:
+            raise ValueError(
+                f"causal=True needs as many queries as keys, got n_q={n_q} and n_k={n_k}"
+            )
+        scores = scores.masked_fill(causal_mask(n_q, device=q.device), float("-inf"))
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask.unsqueeze(-2), float("-inf"))
+    return scores
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Softmax attention ``softmax(q k^T * scale + mask) v``.
+
+    .. math:: \mathrm{out}_i = \sum_j \frac{\exp(s\, q_i^\top k_j)}{\sum_l \exp(s\, q_i^\top k_l)} v_j
+
+    with ``s = scale`` (default ``1/sqrt(d)``).
+
+    Args:
+        q: queries ``(..., n_q, d)``.
+        k: keys ``(..., n_k, d)``.
+        v: values ``(..., n_k, d_v)``.
+        causal: query ``i`` sees only keys ``j <= i`` (needs ``n_q == n_k``).
+        key_padding_mask: bool, broadcastable to ``(..., n_k)``, ``True`` where the key is
+            padding; padded keys get zero weight.
+        scale: multiplies the scores; ``None`` means ``1/sqrt(d)``.
+        return_weights: also return the ``(..., n_q, n_k)`` attention matrix.
+
+    Returns:
+        ``(..., n_q, d_v)``, and the weights when ``return_weights``. A query whose keys
+        are all masked gets an output of zeros (and a row of zero weights), never NaN.
+
+    Cost: time ``O(n_q n_k (d + d_v))``, memory ``O(n_q n_k)`` for the weights.
+    """
+    q, k, v = check_qkv(q, k, v)
+    mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    scores = _scores(q, k, causal=causal, key_padding_mask=mask, scale=scale)
+    weights = torch.softmax(scores, dim=-1)
+    # A fully masked row is all -inf and softmax gives NaN: make it zero instead.
+    weights = torch.nan_to_num(weights, nan=0.0)
+    out = weights @ v
+    return (out, weights) if return_weights else out
+
+
+def argmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Hard attention: each query returns the value of its highest-scoring key.
+
+    ``out_i = v_{j*}`` with ``j* = argmax_j q_i^T k_j`` (first index on ties).
+    The output is piecewise constant in ``q`` and ``k``: its gradients with respect
+    to them are zero almost everywhere, which is why it cannot be trained by
+    gradient descent.
+
+    Shapes: q ``(..., n_q, d)``, k ``(..., n_k, d)``, v ``(..., n_k, d_v)`` ->
+    ``(..., n_q, d_v)``. Cost: time ``O(n_q n_k d)``, memory ``O(n_q n_k)``.
+    """
+    q, k, v = check_qkv(q, k, v)
+    scores = q @ k.transpose(-2, -1)
+    one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), k.shape[-2]).to(v.dtype)
+    return one_hot @ v
+
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with a pluggable attention function.
+
+    ``x (..., n, d_model)`` is projected to queries, keys and values, split into
+    ``num_heads`` heads of size ``d_model // num_heads`` (shape ``(..., h, n, d_head)``),
+    each head runs ``attention(q, k, v, **kwargs)``, and the heads are concatenated
+    and projected back.
+
+    Args:
+        d_model: model width.
+        num_heads: number of heads; must divide ``d_model``.
+        attention: a function ``(q, k, v, **kwargs) -> out`` on ``(..., n, d_head)``
+            tensors, e.g. :func:`softmax_attention` (the default) or any efficient
+            attention of this package. Keyword arguments given to :meth:`forward`
+            (``causal``, ``key_padding_mask``) are passed on.
+        bias: use biases in the projections.
+
+    ``forward(x, context=None, *, causal=False, key_padding_mask=None)``: with
+    ``context`` given, keys and values come from it (cross-attention).
+    ``key_padding_mask`` has shape ``(batch, n_k)``, ``True`` = padding.
+
+    Cost: four ``d_model x d_model`` projections, ``O(n d_model^2)``, plus the attention.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        attention: AttentionFn = softmax_attention,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        check_positive_int(d_model, "d_model")
+        check_positive_int(num_heads, "num_heads")
+        if d_model % num_heads != 0:
+            raise ValueError(
+                f"num_heads must divide d_model, got d_model={d_model} and num_heads={num_heads}"
+            )
+        if not callable(attention):
+            raise TypeError(f"attention must be callable, got {type(attention).__name__}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_head = d_model // num_heads
+        self.attention = attention
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., n, d_model) -> (..., h, n, d_head)
+        *batch, n, _ = x.shape
+        return x.reshape(*batch, n, self.num_heads, self.d_head).transpose(-3, -2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+        **attention_kwargs,
+    ) -> torch.Tensor:
+        x = check_tensor(x, "x", min_dim=2)
+        if x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}"
+            )
+        context = x if context is None else check_tensor(context, "context", min_dim=2)
+        if context.shape[-1] != self.d_model:
+            raise ValueError(
+                f"context must have last dimension d_model={self.d_model}, "
+                f"got shape {tuple(context.shape)}"
+            )
+        q = self._split(self.q_proj(x))  # (..., h, n_q, d_head)
+        k = self._split(self.k_proj(context))  # (..., h, n_k, d_head)
+        v = self._split(self.v_proj(context))  # (..., h, n_k, d_head)
+        kwargs = dict(attention_kwargs)
+        if causal:
+            kwargs["causal"] = True
+        if key_padding_mask is not None:
+            expected = tuple(context.shape[:-1])
+            if tuple(key_padding_mask.shape) != expected:
+                raise ValueError(
+                    f"key_padding_mask must have shape (batch, n_k)={expected}, "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+            kwargs["key_padding_mask"] = key_padding_mask.unsqueeze(-2)  # (..., 1, n_k): all heads
+        out = self.attention(q, k, v, **kwargs)  # (..., h, n_q, d_head)
+        *batch, h, n_q, d_head = out.shape
+        out = out.transpose(-3, -2).reshape(*batch, n_q, h * d_head)  # (..., n_q, d_model)
+        return self.out_proj(out)

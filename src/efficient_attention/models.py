@@ -1,0 +1,3 @@
+"""Placeholder: this module is being written."""
+
+__all__: list[str] = []
