@@ -75,7 +75,8 @@ def softmax_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Softmax attention ``softmax(q k^T * scale + mask) v``.
 
-    .. math:: \mathrm{out}_i = \sum_j \frac{\exp(s\, q_i^\top k_j)}{\sum_l \exp(s\, q_i^\top k_l)} v_j
+    .. math::
+        \mathrm{out}_i = \sum_j \frac{\exp(s\, q_i^\top k_j)}{\sum_l \exp(s\, q_i^\top k_l)} v_j
 
     with ``s = scale`` (default ``1/sqrt(d)``).
 
