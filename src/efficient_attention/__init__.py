@@ -6,19 +6,8 @@ Everything is importable from the top level::
     out = ea.softmax_attention(q, k, v, causal=True)
 """
 
-from . import (
-    attention,
-    embeddings,
-    fmm,
-    kernels,
-    linear_attention,
-    lowrank,
-    models,
-    nystrom,
-    performer,
-    purification,
-    random_features,
-)
+import sys as _sys
+
 from .attention import *  # noqa: F403
 from .embeddings import *  # noqa: F403
 from .fmm import *  # noqa: F403
@@ -33,18 +22,27 @@ from .random_features import *  # noqa: F403
 
 __version__ = "0.1.0"
 
+_MODULES = (
+    "attention",
+    "embeddings",
+    "fmm",
+    "kernels",
+    "linear_attention",
+    "lowrank",
+    "models",
+    "nystrom",
+    "performer",
+    "purification",
+    "random_features",
+)
+
+# Some modules share a name with a function they export (``linear_attention``), so the
+# star-imports above rebind the package attribute to the function: read each module's
+# ``__all__`` from ``sys.modules`` instead.
 __all__ = sorted(
-    set(
-        attention.__all__
-        + embeddings.__all__
-        + fmm.__all__
-        + kernels.__all__
-        + linear_attention.__all__
-        + lowrank.__all__
-        + models.__all__
-        + nystrom.__all__
-        + performer.__all__
-        + purification.__all__
-        + random_features.__all__
-    )
+    {
+        name
+        for module in _MODULES
+        for name in _sys.modules[f"{__name__}.{module}"].__all__
+    }
 )

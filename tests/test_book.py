@@ -1,0 +1,193 @@
+"""Static checks of the book: notebooks as stored, table of contents, configuration, citations.
+
+These run without building the book (the build itself is `make book`; the built site is checked
+by tests/test_browser.py). Each test names the file and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+CHAPTERS = sorted(BOOK.glob("*.ipynb"))
+SOURCES = sorted((ROOT / "assignments" / "source").glob("*/*.ipynb"))
+NOTEBOOKS = CHAPTERS + SOURCES
+MARKDOWN = sorted(BOOK.glob("*.md"))
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _toc_files(node) -> list[str]:
+    """Every `file:` (and the `root:`) named anywhere in a parsed _toc.yml."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("file", "root") and isinstance(value, str):
+                found.append(value)
+            else:
+                found.extend(_toc_files(value))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(_toc_files(item))
+    return found
+
+
+def _toc_path(entry: str) -> Path | None:
+    """The file a toc entry names (entries may omit the suffix), or None if there is none."""
+    candidates = [ROOT / entry] if Path(entry).suffix else []
+    candidates += [ROOT / f"{entry}{suffix}" for suffix in (".ipynb", ".md")]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def test_there_are_chapters():
+    assert CHAPTERS, "book/ has no .ipynb chapters"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_notebook_is_stored_clean(path):
+    nb = _load(path)
+    dirty = []
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        if cell.get("outputs"):
+            dirty.append(f"cell {index} has outputs")
+        if cell.get("execution_count") is not None:
+            dirty.append(f"cell {index} has execution_count {cell['execution_count']}")
+    assert not dirty, (
+        f"{_rel(path)} must be stored without outputs "
+        f"(jupyter nbconvert --clear-output --inplace): " + "; ".join(dirty)
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_notebook_cells_have_ids(path):
+    nb = _load(path)
+    assert (nb["nbformat"], nb["nbformat_minor"]) >= (4, 5), (
+        f"{_rel(path)} is nbformat {nb['nbformat']}.{nb['nbformat_minor']}, expected >= 4.5"
+    )
+    missing = [index for index, cell in enumerate(nb["cells"]) if not cell.get("id")]
+    assert not missing, f"{_rel(path)}: cells {missing} have no id"
+    ids = [cell["id"] for cell in nb["cells"]]
+    assert len(ids) == len(set(ids)), f"{_rel(path)}: duplicate cell ids"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_rel)
+def test_first_code_cell_seeds(path):
+    code_cells = [_source(c) for c in _load(path)["cells"] if c["cell_type"] == "code"]
+    if not code_cells:  # nothing runs, nothing to seed
+        return
+    assert "manual_seed" in code_cells[0], (
+        f"{_rel(path)}: the first code cell must fix the seeds (torch.manual_seed(0), ...), "
+        f"got:\n{code_cells[0][:300]}"
+    )
+
+
+def test_toc_lists_existing_files_and_every_chapter():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    entries = _toc_files(toc)
+    assert toc.get("root"), "_toc.yml has no root"
+    missing = [entry for entry in entries if _toc_path(entry) is None]
+    assert not missing, f"_toc.yml lists files that do not exist: {missing}"
+    listed = {_toc_path(entry).resolve() for entry in entries}
+    unlisted = [_rel(p) for p in CHAPTERS + MARKDOWN if p.resolve() not in listed]
+    assert not unlisted, f"pages in book/ missing from _toc.yml (never built): {unlisted}"
+    assert len(entries) == len(set(entries)), f"_toc.yml lists a file twice: {entries}"
+
+
+def test_pages_workflow_builds_the_book():
+    path = ROOT / ".github" / "workflows" / "pages.yml"
+    workflow = yaml.safe_load(path.read_text(encoding="utf-8"))
+    # YAML 1.1 reads the key `on` as the boolean True.
+    triggers = workflow.get("on", workflow.get(True))
+    assert triggers and "push" in triggers, f"{_rel(path)} must run on push, got {triggers}"
+    steps = [step for job in workflow["jobs"].values() for step in job.get("steps", [])]
+    runs = [step.get("run", "") for step in steps]
+    uses = [step.get("uses", "") for step in steps]
+    assert any(re.search(r"\bmake book\b", run) for run in runs), f"no `make book` step: {runs}"
+    assert any(u.startswith("actions/upload-pages-artifact") for u in uses), uses
+    assert any(u.startswith("actions/deploy-pages") for u in uses), uses
+    artifact = next(s for s in steps if s.get("uses", "").startswith("actions/upload-pages"))
+    assert artifact.get("with", {}).get("path") == "_build/html", artifact
+
+
+def test_config_executes_with_cache_and_timeout():
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    execute = config.get("execute", {})
+    assert execute.get("execute_notebooks") == "cache", execute
+    timeout = execute.get("timeout")
+    assert isinstance(timeout, int) and timeout > 30, (
+        f"_config.yml needs an explicit execute.timeout above the 30 s default, got {timeout!r}"
+    )
+    extensions = config.get("sphinx", {}).get("extra_extensions", [])
+    assert "sphinx-mathjax-offline" in extensions, f"offline math missing: {extensions}"
+    assert config.get("html", {}).get("use_download_button") is True, (
+        "html.use_download_button must be true: chapter pages offer their notebook"
+    )
+    assert config.get("only_build_toc_files") is True
+
+
+# {cite}`a,b`, {cite:p}`a`, {cite:t}`a`, {cite:ps}`a` ... (sphinxcontrib-bibtex roles)
+CITE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
+DOC = re.compile(r"\{doc\}`(?:[^`<]*<)?([^`>]+)>?`")
+
+
+def _prose(path: Path) -> str:
+    """The markdown a reader sees: markdown cells of a notebook, or the whole .md file."""
+    if path.suffix == ".ipynb":
+        return "\n".join(_source(c) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
+    return path.read_text(encoding="utf-8")
+
+
+def _bib_keys() -> list[str]:
+    text = (BOOK / "references.bib").read_text(encoding="utf-8")
+    return re.findall(r"^\s*@\w+\s*\{\s*([^,\s]+)\s*,", text, flags=re.MULTILINE)
+
+
+def test_bibliography_keys_are_unique():
+    keys = _bib_keys()
+    assert keys, "book/references.bib has no entries"
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    assert not duplicates, f"book/references.bib defines these keys twice: {duplicates}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + MARKDOWN, ids=_rel)
+def test_cited_keys_exist(path):
+    keys = set(_bib_keys())
+    cited = {key.strip() for group in CITE.findall(_prose(path)) for key in group.split(",")}
+    unknown = sorted(cited - keys)
+    assert not unknown, f"{_rel(path)} cites keys absent from book/references.bib: {unknown}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS + MARKDOWN, ids=_rel)
+def test_doc_links_point_to_pages(path):
+    def page(target: str) -> str:  # {doc} targets are relative to the page, or to ROOT with "/"
+        base = ROOT if target.startswith("/") else path.parent
+        return str((base / target.lstrip("/")).resolve().relative_to(ROOT))
+
+    broken = [target for target in DOC.findall(_prose(path)) if _toc_path(page(target)) is None]
+    assert not broken, f"{_rel(path)} links with {{doc}} to missing pages: {broken}"
+
+
+def test_citation_pattern_finds_every_role_form():
+    # Guards the regular expression the citation test relies on.
+    text = "{cite}`a` and {cite:p}`b,c` and {cite:t}`d` and {cite:ps}`e, f`"
+    found = [key.strip() for group in CITE.findall(text) for key in group.split(",")]
+    assert found == ["a", "b", "c", "d", "e", "f"]

@@ -1,0 +1,234 @@
+"""The built site, in a real browser, with no network.
+
+Playwright drives Debian's chromium (never `playwright install`) over `_build/html`, served by a
+local http.server on 127.0.0.1. Any request to another host is aborted and counted as a failure:
+the book must work offline. For the index and every page of _toc.yml we check that the page
+loads, that math is typeset by the offline MathJax, that every image has loaded, that no request
+fails, that the console shows no errors, and that chapter pages offer their notebook.
+
+Run after `make book` (`make browser` does both). A missing chromium or a missing build is a
+failure, not a skip: `.ci/run` installs chromium and the Makefile builds the book first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urljoin, urlparse
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# The built site; BOOK_HTML points elsewhere (e.g. a scratch build made with --path-output).
+SITE = Path(os.environ.get("BOOK_HTML", ROOT / "_build" / "html"))
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+LOCAL_HOST = "127.0.0.1"
+TIMEOUT_MS = 30_000
+
+# Console errors that are not the book's fault, each with the reason it is harmless. Matched as
+# substrings of the message text. Keep this list short and explained.
+HARMLESS_CONSOLE_ERRORS: dict[str, str] = {
+    "Identifier 'THEBE_JS_URL' has already been declared": (
+        "Sphinx 7.4 writes inline scripts registered after the builder starts twice (once with "
+        "filename None, once with ''), so sphinx-thebe's `const THEBE_JS_URL = ...` line appears "
+        "twice and the second copy fails. The first copy already defined the same values, and "
+        "thebe (live code) is disabled in this book."
+    ),
+}
+
+
+def _toc_entries() -> list[str]:
+    """Root and files of _toc.yml, in order, as written there (without suffix)."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf-8"))
+    entries = [toc["root"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("file"), str):
+                entries.append(node["file"])
+            for key, value in node.items():
+                if key != "file":
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk({key: value for key, value in toc.items() if key != "root"})
+    return [str(Path(entry).with_suffix("")) for entry in entries]
+
+
+def _is_notebook(entry: str) -> bool:
+    return (ROOT / f"{entry}.ipynb").is_file()
+
+
+PAGES = ["index"] + _toc_entries()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the signature of the base class
+        pass
+
+
+@pytest.fixture(scope="module")
+def site_url():
+    if not (SITE / "index.html").is_file():
+        pytest.fail(f"{SITE / 'index.html'} is missing: build the book first (`make book`)")
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    server = ThreadingHTTPServer((LOCAL_HOST, 0), handler)  # port 0: any free port
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://{LOCAL_HOST}:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.is_file():
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium "
+            "(`apt-get install -y chromium`, as .ci/run does); never `playwright install`"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        yield chromium
+        chromium.close()
+
+
+class PageVisit:
+    """Loads one page with every request outside 127.0.0.1 blocked, and records problems."""
+
+    def __init__(self, browser, url: str):
+        self.context = browser.new_context()
+        self.external: list[str] = []
+        self.failed: list[str] = []
+        self.console_errors: list[str] = []
+        self.context.route("**/*", self._route)
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(TIMEOUT_MS)
+        self.page.on("requestfailed", self._request_failed)
+        self.page.on("response", self._response)
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda error: self._error(f"uncaught: {error}"))
+        self.response = self.page.goto(url, wait_until="load")
+
+    def _route(self, route):
+        url = route.request.url
+        if urlparse(url).scheme in ("data", "blob") or urlparse(url).hostname == LOCAL_HOST:
+            route.continue_()
+        else:
+            self.external.append(url)
+            route.abort()
+
+    def _request_failed(self, request):
+        if request.url not in self.external:  # aborted external requests are reported apart
+            self.failed.append(f"{request.url}: {request.failure}")
+
+    def _response(self, response):
+        if response.status >= 400:
+            self.failed.append(f"{response.url}: HTTP {response.status}")
+
+    def _console(self, message):
+        if message.type == "error":
+            self._error(message.text)
+
+    def _error(self, text: str):
+        if not any(pattern in text for pattern in HARMLESS_CONSOLE_ERRORS):
+            self.console_errors.append(text)
+
+    def close(self):
+        self.context.close()
+
+
+@pytest.fixture
+def visit(browser, site_url, request):
+    visits = []
+
+    def open_page(path: str) -> PageVisit:
+        page_visit = PageVisit(browser, urljoin(site_url, path))
+        visits.append(page_visit)
+        return page_visit
+
+    yield open_page
+    for page_visit in visits:
+        page_visit.close()
+
+
+def _html_path(entry: str) -> str:
+    return "index.html" if entry == "index" else f"{entry}.html"
+
+
+@pytest.mark.parametrize("entry", PAGES)
+def test_page_works_offline(visit, site_url, entry):
+    path = _html_path(entry)
+    assert (SITE / path).is_file(), f"{path} was not built (is it in _toc.yml?)"
+    v = visit(path)
+    page = v.page
+    assert v.response is not None and v.response.ok, f"{path}: {v.response and v.response.status}"
+    page.wait_for_load_state("networkidle")
+    if entry == "index":  # the index redirects to the root page of the toc
+        root = _toc_entries()[0]
+        page.wait_for_url(f"**/{root}.html")
+
+    # Math: every math element Sphinx wrote must be typeset by MathJax, without TeX errors.
+    num_math = page.locator(".math").count()
+    if num_math:
+        page.wait_for_function(
+            "n => document.querySelectorAll('mjx-container').length >= n", arg=num_math
+        )
+        tex_errors = page.locator("mjx-merror").all_text_contents()
+        assert not tex_errors, f"{path}: MathJax could not typeset: {tex_errors[:5]}"
+
+    # Images: every <img> has loaded.
+    page.wait_for_function("Array.from(document.images).every(img => img.complete)")
+    broken = page.evaluate(
+        "Array.from(document.images).filter(img => img.naturalWidth === 0).map(img => img.src)"
+    )
+    assert not broken, f"{path}: images that did not load: {broken}"
+
+    assert not v.external, f"{path} requested outside hosts (must work offline): {v.external}"
+    assert not v.failed, f"{path}: failed requests: {v.failed}"
+    assert not v.console_errors, f"{path}: console errors: {v.console_errors}"
+
+
+@pytest.mark.parametrize("entry", [e for e in PAGES[1:] if _is_notebook(e)])
+def test_chapter_offers_its_notebook(visit, site_url, entry):
+    path = _html_path(entry)
+    v = visit(path)
+    links = v.page.locator("a[href$='.ipynb']")
+    hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
+    name = f"{Path(entry).name}.ipynb"
+    own = [href for href in hrefs if href.split("/")[-1] == name]
+    assert own, f"{path} offers no download of {name}; .ipynb links found: {hrefs}"
+    for href in own:
+        url = urljoin(urljoin(site_url, path), href)
+        on_disk = SITE / urlparse(url).path.lstrip("/")
+        assert on_disk.is_file(), f"{path}: download link {href} -> missing {on_disk}"
+        response = v.context.request.get(url)
+        assert response.ok, f"{path}: download link {href} answered HTTP {response.status}"
+        notebook = json.loads(response.body())
+        assert notebook.get("cells"), f"{path}: {href} is not a notebook"
+    assert not v.external, f"{path} requested outside hosts: {v.external}"
+
+
+def test_notebook_pages_exist_in_toc():
+    # Guards the parametrisation above: chapters are notebooks, so there must be some.
+    assert any(_is_notebook(entry) for entry in PAGES[1:]), PAGES
