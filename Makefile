@@ -32,7 +32,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-book: $(STAMP)
+# The student versions of the assignments, shipped with the book (regenerated only when a
+# source notebook changes, so that a second `make book` stays fast).
+RELEASES := book/_downloads/assignments/list.md
+$(RELEASES): $(STAMP) $(SOURCES) assignments/release_for_book.py
+	$(BIN)/python assignments/release_for_book.py
+
+book: $(STAMP) $(RELEASES)
 	$(BIN)/jupyter-book build . -W --keep-going
 	@echo "Book built: $(CURDIR)/_build/html/index.html"
 
@@ -54,11 +60,11 @@ browser: book
 test: lint unit notebooks grading browser
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/attention_speed.py
+	$(BIN)/python benchmarks/run_all.py
 
 serve: book
 	cd _build/html && $(BIN)/python -m http.server 8000 --bind 127.0.0.1
 
 clean:
-	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache
+	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache book/_downloads
 	rm -rf assignments/release assignments/submitted assignments/autograded assignments/feedback assignments/gradebook.db

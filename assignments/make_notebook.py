@@ -1,0 +1,210 @@
+"""Build an nbgrader assignment notebook from a list of cells, with the metadata right.
+
+An assignment's source notebook (``assignments/source/<name>/<name>.ipynb``) is the
+single source of truth; this helper only saves typing the nbgrader metadata by hand.
+Write a small builder script *outside* ``assignments/source/`` (nbgrader copies every
+file of a source folder into the student release), for example::
+
+    from make_notebook import autotest, build, md, setup, solution, written
+
+    cells = [
+        md("# Argmax attention\\n\\nOne sentence on what the assignment covers."),
+        setup(),
+        md("## Part 1 (2 points): ..."),
+        solution("part1-solution", '''def f(x):
+    ### BEGIN SOLUTION
+    return x + 1
+    ### END SOLUTION'''),
+        autotest("part1-test", 2, '''assert f(1) == 2
+### BEGIN HIDDEN TESTS
+assert f(41) == 42
+### END HIDDEN TESTS'''),
+        written("part2-written", 2, '''### BEGIN SOLUTION
+Model answer.
+
+**Rubric (2 points).** ...
+### END SOLUTION'''),
+    ]
+    build(cells, "assignments/source/<name>/<name>.ipynb")
+
+``python assignments/make_notebook.py --check assignments/source/*/*.ipynb`` checks
+existing notebooks against the conventions ("Authoring an assignment" in
+``assignments/README.md``): unique ``part<N>-<slug>`` grade ids, 4 to 7 graded parts with
+points, a locked seeding first code cell, hidden tests in every autograded test cell, a
+model answer and rubric in every written cell, cell ids, no stored outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+SCHEMA_VERSION = 3
+GRADE_ID = re.compile(r"^part(\d+)-[a-z0-9-]+$")
+
+DEFAULT_SETUP = """\
+# Setup (read-only): imports and seeds. Run this cell first.
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+torch.manual_seed(0)
+np.random.seed(0)"""
+
+
+def _nbgrader(grade_id: str, *, solution: bool, grade: bool, locked: bool,
+              points: float | None = None, task: bool = False) -> dict:
+    meta = {
+        "grade": grade,
+        "grade_id": grade_id,
+        "locked": locked,
+        "schema_version": SCHEMA_VERSION,
+        "solution": solution,
+        "task": task,
+    }
+    if points is not None:
+        meta["points"] = points
+    return {"nbgrader": meta}
+
+
+def md(source: str):
+    """Instructions: a plain markdown cell, no nbgrader metadata."""
+    return new_markdown_cell(source.strip("\n"))
+
+
+def setup(source: str = DEFAULT_SETUP, grade_id: str = "setup"):
+    """The read-only first code cell: imports and seeds (restored by nbgrader when edited)."""
+    cell = new_code_cell(source.strip("\n"))
+    cell.metadata.update(_nbgrader(grade_id, solution=False, grade=False, locked=True))
+    return cell
+
+
+def code(source: str):
+    """A plain code cell (demonstrations, plots); no nbgrader metadata, not graded."""
+    return new_code_cell(source.strip("\n"))
+
+
+def solution(grade_id: str, source: str):
+    """A code answer cell: the student's code goes where ``### BEGIN/END SOLUTION`` are."""
+    _check_delimiters(source, "SOLUTION", grade_id)
+    cell = new_code_cell(source.strip("\n"))
+    cell.metadata.update(_nbgrader(grade_id, solution=True, grade=False, locked=False))
+    return cell
+
+
+def autotest(grade_id: str, points: float, source: str):
+    """A read-only autograded test cell worth ``points``: visible asserts, then hidden ones."""
+    _check_delimiters(source, "HIDDEN TESTS", grade_id)
+    cell = new_code_cell(source.strip("\n"))
+    cell.metadata.update(
+        _nbgrader(grade_id, solution=False, grade=True, locked=True, points=points)
+    )
+    return cell
+
+
+def written(grade_id: str, points: float, source: str):
+    """A manually graded markdown answer cell; model answer and rubric inside SOLUTION."""
+    _check_delimiters(source, "SOLUTION", grade_id)
+    cell = new_markdown_cell(source.strip("\n"))
+    cell.metadata.update(
+        _nbgrader(grade_id, solution=True, grade=True, locked=False, points=points)
+    )
+    return cell
+
+
+def _check_delimiters(source: str, word: str, grade_id: str) -> None:
+    begins = source.count(f"### BEGIN {word}")
+    ends = source.count(f"### END {word}")
+    if begins == 0 or begins != ends:
+        raise ValueError(
+            f"cell {grade_id!r}: expected matching '### BEGIN {word}' / '### END {word}' "
+            f"lines, got {begins} BEGIN and {ends} END"
+        )
+
+
+def build(cells: list, path: str | Path) -> Path:
+    """Write ``cells`` as an nbformat 4.5 notebook at ``path`` with stable cell ids."""
+    nb = new_notebook(cells=cells)
+    nb.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+    }
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    for index, cell in enumerate(nb.cells):
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        cell.id = grade_id if grade_id else f"cell-{index:02d}"
+    problems = check(nb)
+    if problems:
+        raise ValueError("notebook breaks the conventions:\n  " + "\n  ".join(problems))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def check(nb) -> list[str]:
+    """Problems with ``nb`` against the assignment conventions (empty list: none)."""
+    problems = []
+    ids = [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
+    ids = [i for i in ids if i]
+    if len(ids) != len(set(ids)):
+        problems.append(f"grade_ids are not unique: {sorted(ids)}")
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    if not code_cells or "torch.manual_seed(0)" not in code_cells[0].source:
+        problems.append("the first code cell must seed: torch.manual_seed(0)")
+    elif not code_cells[0].metadata.get("nbgrader", {}).get("locked"):
+        problems.append("the first code cell (setup) must be locked")
+    parts = set()
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader")
+        if not cell.get("id"):
+            problems.append("a cell has no id")
+        if cell.cell_type == "code" and cell.get("outputs"):
+            problems.append(f"cell {cell.get('id')} has stored outputs")
+        if not meta:
+            continue
+        grade_id = meta["grade_id"]
+        if grade_id == "setup":
+            continue
+        match = GRADE_ID.match(grade_id)
+        if not match:
+            problems.append(f"grade_id {grade_id!r} is not 'part<N>-<slug>'")
+            continue
+        if meta.get("grade"):
+            parts.add(int(match.group(1)))
+            if not meta.get("points", 0) > 0:
+                problems.append(f"{grade_id}: a graded cell needs points > 0")
+            if meta.get("solution"):
+                if "### BEGIN SOLUTION" not in cell.source:
+                    problems.append(f"{grade_id}: written answer without a model answer/rubric")
+            elif "### BEGIN HIDDEN TESTS" not in cell.source:
+                problems.append(f"{grade_id}: autograded test without hidden tests")
+    if not 4 <= len(parts) <= 7:
+        problems.append(f"an assignment has 4 to 7 graded parts, found {sorted(parts)}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", nargs="+", metavar="NOTEBOOK", required=True)
+    args = parser.parse_args(argv)
+    status = 0
+    for path in args.check:
+        problems = check(nbformat.read(path, as_version=4))
+        for problem in problems:
+            print(f"{path}: {problem}")
+        status |= bool(problems)
+    if status == 0:
+        print(f"{len(args.check)} notebook(s) follow the conventions")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
