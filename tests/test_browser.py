@@ -232,3 +232,24 @@ def test_chapter_offers_its_notebook(visit, site_url, entry):
 def test_notebook_pages_exist_in_toc():
     # Guards the parametrisation above: chapters are notebooks, so there must be some.
     assert any(_is_notebook(entry) for entry in PAGES[1:]), PAGES
+
+
+def test_assignments_page_links_student_notebooks(visit, site_url):
+    """The Assignments page links a downloadable student version of every assignment."""
+    path = "book/assignments.html"
+    v = visit(path)
+    links = v.page.locator("a[href$='.ipynb']")
+    hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
+    sources = sorted(p.parent.name for p in (ROOT / "assignments" / "source").glob("*/*.ipynb"))
+    names = sorted({href.split("/")[-1].removesuffix(".ipynb") for href in hrefs})
+    assert set(sources) <= set(names), f"{path}: links {names}, assignments {sources}"
+    # Follow one link, as a student would, and check it is the student version.
+    href = next(h for h in hrefs if h.endswith("argmax_attention.ipynb"))
+    response = v.context.request.get(urljoin(urljoin(site_url, path), href))
+    assert response.ok, f"{path}: {href} answered HTTP {response.status}"
+    text = response.text()
+    notebook = json.loads(text)
+    assert notebook.get("cells"), f"{href} is not a notebook"
+    assert "raise NotImplementedError" in text, f"{href} is not the student version"
+    assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert not v.external, f"{path} requested outside hosts: {v.external}"
