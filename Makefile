@@ -7,7 +7,6 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export PYTHONHASHSEED := 0
-export MPLBACKEND := Agg
 # Keep notebooks, tests and benchmarks to the two cores of the course machines.
 export OMP_NUM_THREADS ?= 2
 
