@@ -253,3 +253,11 @@ def test_assignments_page_links_student_notebooks(visit, site_url):
     assert "raise NotImplementedError" in text, f"{href} is not the student version"
     assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     assert not v.external, f"{path} requested outside hosts: {v.external}"
+
+
+@pytest.mark.parametrize("entry", [e for e in PAGES[1:] if _is_notebook(e)])
+def test_chapter_shows_its_computed_figures(entry):
+    """Every chapter computes at least two figures, and they reach the built page."""
+    html = (SITE / _html_path(entry)).read_text(encoding="utf-8")
+    images = html.count("<img")
+    assert images >= 2, f"{entry}: {images} figure(s) in the built page, expected at least 2"
