@@ -2,7 +2,8 @@
 
 This module starts with the two fixed encodings a Transformer needs before any
 learning: one-hot vectors and the sinusoidal positional encoding of Vaswani et
-al. (2017).
+al. (2017). Learned word vectors (word2vec) live in :mod:`.word2vec` and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,27 @@ import math
 import torch
 
 from ._checks import check_positive_int
+from .word2vec import (
+    SkipGram,
+    Vocabulary,
+    cosine_similarity_matrix,
+    load_pydoc_corpus,
+    most_similar,
+    tokenize,
+    train_word2vec,
+)
 
-__all__ = ["one_hot", "sinusoidal_positional_encoding"]
+__all__ = [
+    "one_hot",
+    "sinusoidal_positional_encoding",
+    "tokenize",
+    "load_pydoc_corpus",
+    "Vocabulary",
+    "SkipGram",
+    "train_word2vec",
+    "most_similar",
+    "cosine_similarity_matrix",
+]
 
 
 def one_hot(
