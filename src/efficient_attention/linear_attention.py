@@ -21,6 +21,7 @@ Transformers with Linear Attention", ICML 2020.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -225,8 +226,9 @@ def _blockwise_attention(
     q ``(B, n_q, d)``, k ``(B, n_k, d)``, v ``(B, n_k, d_v)`` (v in the compute dtype),
     mask ``(B, n_k)`` or None -> ``(B, n_q, d_v)``.
 
-    Keys are reduced block by block into the state ``S = phi(K)^T [V, 1]`` (``m x
-    (d_v + 1)``, the last column giving ``D``). Stabilised key features are relative to
+    Keys are reduced block by block into the state ``S = phi(K)^T V`` and the key sum
+    ``z = phi(K)^T 1`` (one ``m x (d_v + 1)`` state ``phi(K)^T [V, 1]`` when causal, the
+    last column giving ``D``). Stabilised key features are relative to
     ``exp(top)``, the largest log-feature seen so far; when a block raises ``top`` the
     state is rescaled by ``exp(top_old - top_new)`` (as in online softmax). Every
     output thus uses one common constant for all the keys it sums over, and that
@@ -237,9 +239,12 @@ def _blockwise_attention(
     features, ``O(n m)``, and one ``m x d_v`` state per block or chunk).
     """
     n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    # Without autograd, write each block straight into the output (no final concat).
-    out = None if needs_grad else torch.empty(q.shape[0], n_q, d_v, dtype=v.dtype, device=v.device)
+    if n_k == 0:  # no keys: nothing to attend to, zeros as for fully padded rows
+        return v.new_zeros(q.shape[0], n_q, d_v)
+    # Under no_grad / inference_mode, write each block straight into the output (no final
+    # concat). With autograd on, out= is not allowed (w or a feature map may have
+    # parameters even when q, k and v do not), so the blocks are concatenated.
+    out = None if torch.is_grad_enabled() else v.new_empty(q.shape[0], n_q, d_v)
     outputs = []
     state: torch.Tensor | None = None  # (B, m, d_v + 1) causal; (B, m, d_v) bidirectional
     normaliser: torch.Tensor | None = None  # (B, m, 1) bidirectional: sum of phi(k)
@@ -294,9 +299,10 @@ def _flatten_batch(
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
         batch = torch.broadcast_shapes(batch, mask.shape[:-1])
-    flat = [t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+    size = math.prod(batch)
+    flat = [t.expand(*batch, *t.shape[-2:]).reshape(size, *t.shape[-2:]) for t in (q, k, v)]
     if mask is not None:
-        flat.append(mask.expand(*batch, mask.shape[-1]).reshape(-1, mask.shape[-1]))
+        flat.append(mask.expand(*batch, mask.shape[-1]).reshape(size, mask.shape[-1]))
     else:
         flat.append(None)
     return tuple(batch), flat
@@ -461,8 +467,3 @@ class RecurrentLinearAttention(nn.Module):
         outputs = [self.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(q.shape[-2])]
         return torch.stack(outputs, dim=-2)  # (..., n, d_v)
 
-
-# The package __init__ reads ``linear_attention.__all__`` after ``from .linear_attention
-# import *`` has rebound that name to the function above; until __init__ takes the list
-# from the module itself, the function carries a copy so that the package imports.
-linear_attention.__all__ = __all__  # type: ignore[attr-defined]

@@ -6,19 +6,21 @@ Softmax attention ``softmax(q k^T / sqrt(d)) v`` weighs key ``j`` by
 
     out = D^-1 phi(Q~) (phi(K~)^T V),   D = diag(phi(Q~) phi(K~)^T 1).
 
-Stabilisation. The features contain exponentials that overflow for large inputs,
-so :func:`favor_attention` multiplies every query feature row by its own constant
-and every key feature by one common constant (per batch element and head). A row
-constant of ``phi(q_i)`` multiplies both the numerator and the denominator of output
-``i``; a common key constant multiplies every term of both sums. Both cancel, so the
-output is exactly that of the unstabilised estimator. (A per-key constant would not
-cancel: it would reweigh the keys.) Concretely, for the positive map
+Stabilisation. The features contain exponentials that overflow or underflow for
+large inputs, so :func:`favor_attention` multiplies every query feature row by its own
+constant and every key feature by one common constant (per batch element and head). A
+row constant of ``phi(q_i)`` multiplies both the numerator and the denominator of
+output ``i``; a common key constant multiplies every term of both sums. Both cancel, so
+the output is exactly that of the unstabilised estimator. (A per-key constant would
+not cancel: it would reweigh the keys.) Concretely, for the positive map
 
-    phi(q~_i) -> softmax_l(w_l^T q~_i)                      (row constant),
-    phi(k~_j) -> softmax over all (j, l) of (w_l^T k~_j - |k~_j|^2 / 2)
-                                                            (one constant per head),
+    phi(q~_i)_l -> exp(w_l^T q~_i - max_l' w_l'^T q~_i)              (row constant),
+    phi(k~_j)_l -> exp(w_l^T k~_j - |k~_j|^2 / 2 - top)    (one constant per head),
 
-with padded keys at ``-inf`` (weight exactly zero, and not part of the maximum).
+where ``top`` is the largest ``w_l^T k~_j - |k~_j|^2 / 2`` over the non-padded keys.
+Keys are processed in blocks; ``top`` is the running maximum, and the running sums
+are rescaled by ``exp(top_old - top_new)`` when it grows (as in online softmax), so
+the final result uses the global maximum. Padded keys get an all-zero feature row.
 
 Reference: Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
 """
