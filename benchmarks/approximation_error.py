@@ -217,6 +217,27 @@ def capture_qkv(model: torch.nn.Module, seed: int) -> list[tuple[torch.Tensor, .
     return captured
 
 
+def copy_attention_profile(q: torch.Tensor, k: torch.Tensor) -> dict[str, list[float]]:
+    """Where each head of a copy-task layer looks, averaged over sequences.
+
+    ``copy_offset``: mean weight that an answer position ``i`` (the blanks) puts on the
+    symbol it must copy, ``i - (L + 1)``; ``local``: mean weight within ``|i - j| <= 2``;
+    ``top``: mean largest weight of a row. One value per head.
+    """
+    length = COPY["length"]
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    n = weights.shape[-1]
+    answers = torch.arange(length + 1, n)  # the blanks
+    copy_offset = weights[..., answers, answers - (length + 1)]  # (B, h, L)
+    position = torch.arange(n)
+    local = (position[:, None] - position[None, :]).abs() <= 2  # (n, n)
+    return {
+        "copy_offset": copy_offset.mean(dim=(0, -1)).tolist(),
+        "local": (weights * local).sum(-1).mean(dim=(0, -1)).tolist(),
+        "top": weights.amax(-1).mean(dim=(0, -1)).tolist(),
+    }
+
+
 # ----------------------------------------------------------------------------- methods
 
 
@@ -391,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             "n": n_trained,
             "sizes": list(trained_sizes),
+            "attention_profile": copy_attention_profile(*captures[seeds[0]][layer][:2]),
             **result,
         }
     for name, make in (("peaked_gaussian", peaked_gaussian),

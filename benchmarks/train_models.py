@@ -3,10 +3,11 @@
 The same ``ea.TinyTransformer`` (2 layers, ``d_model = 64``, 4 heads) is trained with
 each attention of ``ea.ATTENTION_KINDS`` (softmax, linear, performer, nystrom, fmm) on
 
-- associative recall (``ea.AssociativeRecall``, 16 key-value pairs, ``n = 33``): find
-  the value stored with the queried key, a *content*-based look-up;
+- associative recall (``ea.AssociativeRecall``, 16 facts of one token each, then a query
+  key, ``n = 17``): find the value stored with the queried key, a *content*-based look-up
+  (chance 1/16);
 - copying (``ea.CopyTask``, 64 symbols, ``n = 129``): repeat the first half after a
-  separator, a *position*-based look-up ``L + 1 = 65`` tokens back;
+  separator, a *position*-based look-up ``L + 1 = 65`` tokens back (chance 1/8);
 
 in encoder (bidirectional) and in causal (decoder) mode. Nystrom attention has no
 causal form (its segment-mean landmarks mix past and future), so it is trained in
@@ -39,8 +40,11 @@ import efficient_attention as ea  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = {
     "associative_recall": {
-        "make": lambda: ea.AssociativeRecall(num_pairs=16, num_keys=16, num_values=16),
-        "spec": "AssociativeRecall(num_pairs=16, num_keys=16, num_values=16)",
+        "make": lambda: ea.AssociativeRecall(
+            num_pairs=16, num_keys=16, num_values=16, one_token_per_pair=True
+        ),
+        "spec": "AssociativeRecall(num_pairs=16, num_keys=16, num_values=16, "
+        "one_token_per_pair=True)",
         "steps": 1500,
     },
     "copy": {
@@ -118,6 +122,8 @@ def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: boo
         "eval_loss": evaluation["loss"],
         "chance_accuracy": 1 / (task.num_values if task_name == "associative_recall"
                                 else task.num_symbols),
+        "seq_len": task.seq_len,
+        "vocab_size": task.vocab_size,
         "train_wall_s": wall,
         "train_cpu_s": cpu,
         "ms_per_step": 1000 * wall / steps,
