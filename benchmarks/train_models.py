@@ -200,7 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a fast smoke test")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args(argv)
+    if args.replot:
+        results = json.loads((args.out / "train_models.json").read_text())
+        plot(results, args.out / "train_models.png")
+        return results
     torch.set_num_threads(2)
     progress = not args.no_progress
     conditions = run_conditions()
