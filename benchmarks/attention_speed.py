@@ -58,11 +58,14 @@ QUICK_SIZES = [256, 512, 1024]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def make_inputs(n: int) -> dict[str, torch.Tensor]:
-    """Seeded inputs for one n: q, k, v ``(8, n, 64)``, w ``(256, 64)`` and floor operands."""
+def make_inputs(n: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """Seeded inputs for one n: q, k, v ``(8, n, 64)``, w ``(256, 64)`` and floor operands.
+
+    ``packed`` adds ``[q | k | v]`` laid out for the public Nystrom package.
+    """
     g = torch.Generator().manual_seed(n)
     shape = (BATCH_HEADS, n, HEAD_DIM)
-    return {
+    inputs = {
         "q": torch.randn(shape, generator=g),
         "k": torch.randn(shape, generator=g),
         "v": torch.randn(shape, generator=g),
@@ -70,6 +73,9 @@ def make_inputs(n: int) -> dict[str, torch.Tensor]:
         "features": torch.rand(BATCH_HEADS, n, NUM_FEATURES, generator=g),
         "state": torch.randn(BATCH_HEADS, NUM_FEATURES, HEAD_DIM, generator=g),
     }
+    if packed:
+        inputs["packed"] = pack_heads(inputs)
+    return inputs
 
 
 QUADRATIC_BUFFERS = {  # n x n float32 buffers alive at the peak of one call
@@ -95,6 +101,7 @@ METHODS = {
     "FAVOR+ causal": lambda x: ea.favor_attention(x["q"], x["k"], x["v"], x["w"], causal=True),
     "floor (2 matmuls)": floor,
 }
+PUBLIC_NYSTROM = "nystrom-attention pkg core (64)"
 OPTIONAL = {  # written by other modules; included when the package has them
     "Nystrom (64 landmarks)": (
         "nystrom_attention",
@@ -107,6 +114,34 @@ OPTIONAL = {  # written by other modules; included when the package has them
 }
 
 
+def public_nystrom_core():
+    """The core of the public ``nystrom-attention`` package (lucidrains), if it is installed.
+
+    Its ``NystromAttention`` module projects ``x`` to q, k, v, runs the Nystromformer core
+    (segment-mean landmarks, three softmaxes, its iterative pseudo-inverse) and projects
+    back. With ``to_qkv`` and ``to_out`` replaced by identities and no residual convolution,
+    one call on the packed ``[q | k | v]`` of shape ``(1, n, 3 * heads * d)`` is the core
+    alone: the same computation as ``ea.nystrom_attention`` with the same landmarks and
+    iterations. Not a dependency of the project: install it in a scratch folder and put
+    that folder on ``PYTHONPATH`` (see benchmarks/README.md).
+    """
+    try:
+        from nystrom_attention import NystromAttention
+    except ImportError:
+        return None
+    module = NystromAttention(dim=BATCH_HEADS * HEAD_DIM, dim_head=HEAD_DIM, heads=BATCH_HEADS,
+                              num_landmarks=LANDMARKS, pinv_iterations=6, residual=False)
+    module.to_qkv = torch.nn.Identity()
+    module.to_out = torch.nn.Identity()
+    return module.eval()
+
+
+def pack_heads(x: dict) -> torch.Tensor:
+    """``q, k, v (8, n, 64)`` as the package's input ``(1, n, 3 * 8 * 64)``, heads in order."""
+    n = x["q"].shape[-2]
+    return torch.cat([x[t].transpose(0, 1).reshape(1, n, -1) for t in "qkv"], dim=-1)
+
+
 def available_methods() -> dict:
     methods = dict(METHODS)
     for name, (attribute, call) in OPTIONAL.items():
@@ -115,6 +150,9 @@ def available_methods() -> dict:
             print(f"note: ea.{attribute} is missing; '{name}' is not benchmarked")
             continue
         methods[name] = functools.partial(call, fn)  # x -> call(fn, x)
+    public = public_nystrom_core()
+    if public is not None:
+        methods[PUBLIC_NYSTROM] = lambda x: public(x["packed"])
     return methods
 
 
@@ -155,8 +193,8 @@ def memory_probe(n: int, names: list[str]) -> None:
     extra = {}
     with torch.inference_mode():
         for name in names:
-            methods[name](make_inputs(16))  # load kernels and libraries on a tiny input
-        inputs = make_inputs(n)
+            methods[name](make_inputs(64, PUBLIC_NYSTROM in names))  # load kernels, libraries
+        inputs = make_inputs(n, PUBLIC_NYSTROM in names)
         for name in names:
             release_free_memory()
             with open("/proc/self/clear_refs", "w") as f:
@@ -179,6 +217,41 @@ def measure_memory(n: int, names: list[str]) -> dict:
     return {name: {"peak_extra_mib": value / 2**20} for name, value in extra.items()}
 
 
+POLICY_METHODS = ["FAVOR+", "FAVOR+ causal", "floor (2 matmuls)"]
+WAIT_POLICIES = ("PASSIVE", "ACTIVE")
+
+
+def time_probe(n: int, repeats: int, names: list[str]) -> None:
+    """Subprocess entry: print the median times of ``names`` at ``n`` (methods taking turns)."""
+    torch.set_num_threads(THREADS)
+    methods = {name: method for name, method in available_methods().items() if name in names}
+    print(json.dumps(time_methods(methods, n, repeats, set())))
+
+
+def compare_wait_policies(n: int, repeats: int) -> dict:
+    """FAVOR+ against the floor with idle OpenMP threads sleeping (PASSIVE) or spinning (ACTIVE).
+
+    The policy is read once, when the OpenMP runtime starts, so each one is timed in a
+    fresh process; the two processes run one after the other at the same ``n``.
+    PASSIVE suits a shared, busy machine (the default of ``make bench``); ACTIVE is
+    close to what an unset policy gives on an idle machine. Many small operations (the
+    feature blocks of FAVOR+) pay a thread wake-up each under PASSIVE; two large matmuls
+    (the floor) hardly do, so the ratio depends on the policy.
+    """
+    out = {}
+    for policy in WAIT_POLICIES:
+        command = [sys.executable, __file__, "--time-probe", str(n), str(repeats),
+                   *POLICY_METHODS]
+        env = {**os.environ, "OMP_WAIT_POLICY": policy}
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+        if done.returncode != 0:
+            out[policy] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+            continue
+        times = json.loads(done.stdout.strip().splitlines()[-1])
+        out[policy] = {"time": times, "ratios": ratios(times)}
+    return out
+
+
 def time_methods(methods: dict, n: int, repeats: int, slow: set) -> dict:
     """Median forward time of every method at ``n``, the methods taking turns.
 
@@ -186,7 +259,7 @@ def time_methods(methods: dict, n: int, repeats: int, slow: set) -> dict:
     after the warm-up, and the warm-up counts as a sample (its one-off costs are
     milliseconds against tens of seconds).
     """
-    inputs = make_inputs(n)
+    inputs = make_inputs(n, PUBLIC_NYSTROM in methods)
     rounds: dict[str, int] = {}
     times: dict[str, list[float]] = {}
     results: dict[str, dict] = {}
@@ -224,6 +297,9 @@ def ratios(row: dict) -> dict:
         "FAVOR+ / SDPA": ("FAVOR+", "SDPA"),
         "FAVOR+ causal / FAVOR+": ("FAVOR+ causal", "FAVOR+"),
         "linear / SDPA": ("linear (elu+1)", "SDPA"),
+        "banded / SDPA": ("banded (w=32)", "SDPA"),
+        "Nystrom / SDPA": ("Nystrom (64 landmarks)", "SDPA"),
+        "Nystrom / nystrom-attention pkg": ("Nystrom (64 landmarks)", PUBLIC_NYSTROM),
     }
     for label, (a, b) in pairs.items():
         if t(a) and t(b):
@@ -275,6 +351,22 @@ def write_markdown(report: dict, path: Path) -> None:
         for label, entry in report["targets"].items():
             lines.append(f"| {label} | {entry['measured']:.3f} | <= {entry['limit']} | "
                          f"{'yes' if entry['met'] else 'NO'} |")
+    if report.get("wait_policies"):
+        lines += ["", f"## FAVOR+ at n = {TARGET_N} under each OpenMP wait policy", "",
+                  "Each policy timed in a fresh process (methods taking turns), one after the "
+                  "other. PASSIVE: idle threads sleep (the default of `make bench`, for shared "
+                  "machines); ACTIVE: they spin (close to an unset policy on an idle machine).",
+                  "", "| OMP_WAIT_POLICY | FAVOR+ (ms) | FAVOR+ causal (ms) | floor (ms) | "
+                  "FAVOR+ / floor | FAVOR+ causal / FAVOR+ |", "|---|---|---|---|---|---|"]
+        for policy, entry in report["wait_policies"].items():
+            if "time" not in entry:
+                lines.append(f"| {policy} | {entry.get('error', 'failed')} | | | | |")
+                continue
+            ms = [entry["time"].get(name, {}).get("median_s") for name in POLICY_METHODS]
+            cells = [f"{1e3 * t:.1f}" if t else "-" for t in ms]
+            cells += [f"{entry['ratios'].get(label, float('nan')):.3f}"
+                      for label in ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")]
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     skipped = sorted({
         f"{name} at n = {n}: {entry['skipped']}"
         for n, row in report["results"].items()
@@ -294,6 +386,8 @@ TARGETS = {  # label: (ratio label or memory method, limit)
     "FAVOR+ / SDPA": ("FAVOR+ / SDPA", 0.1),
     "FAVOR+ causal / FAVOR+": ("FAVOR+ causal / FAVOR+", 3.0),
     "FAVOR+ peak extra memory (MiB)": ("FAVOR+", 150),
+    "banded / SDPA": ("banded / SDPA", 0.05),
+    "Nystrom / nystrom-attention pkg": ("Nystrom / nystrom-attention pkg", 1.0),
 }
 
 
@@ -310,6 +404,12 @@ def check_targets(report: dict) -> dict:
             value = row["ratios"].get(key)
         if value is not None:
             out[label] = {"measured": value, "limit": limit, "met": value <= limit}
+    for policy, entry in report.get("wait_policies", {}).items():
+        value = entry.get("ratios", {}).get("FAVOR+ / floor")
+        if value is not None:
+            limit = TARGETS["FAVOR+ / floor"][1]
+            out[f"FAVOR+ / floor, OMP_WAIT_POLICY={policy} probe"] = {
+                "measured": value, "limit": limit, "met": value <= limit}
     return out
 
 
@@ -350,9 +450,13 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument("--memory-probe", nargs="+", help=argparse.SUPPRESS)  # N METHOD...
+    parser.add_argument("--time-probe", nargs="+", help=argparse.SUPPRESS)  # N REPEATS METHOD...
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(int(args.memory_probe[0]), args.memory_probe[1:])
+        return
+    if args.time_probe:
+        time_probe(int(args.time_probe[0]), int(args.time_probe[1]), args.time_probe[2:])
         return
     torch.set_num_threads(THREADS)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
@@ -394,6 +498,15 @@ def main() -> None:
             print(f"    {name:24s}{shown}{extra}", flush=True)
         for label, value in row["ratios"].items():
             print(f"    {label:24s}{value:9.3f}", flush=True)
+    if str(TARGET_N) in report["results"]:
+        print(f"n = {TARGET_N}: FAVOR+ and the floor under each OpenMP wait policy ...",
+              flush=True)
+        report["wait_policies"] = compare_wait_policies(TARGET_N, repeats)
+        for policy, entry in report["wait_policies"].items():
+            for label in ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+"):
+                value = entry.get("ratios", {}).get(label)
+                shown = f"{value:9.3f}" if value is not None else entry.get("error", "-")
+                print(f"    {policy:8s}{label:24s}{shown}", flush=True)
     report["load_end"] = os.getloadavg()[0]
     report["targets"] = check_targets(report)
     for label, entry in report["targets"].items():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import efficient_attention as ea
-from efficient_attention.linear_attention import default_chunk_size
+from efficient_attention._blockwise import default_chunk_size
 
 
 def elu_kernel(a, b):

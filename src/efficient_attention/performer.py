@@ -30,6 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._blockwise import (
+    _blockwise_attention,
+    _check_causal_and_block,
+    _flatten_batch,
+    default_block_size,
+)
 from ._checks import (
     check_generator,
     check_key_padding_mask,
@@ -37,12 +43,6 @@ from ._checks import (
     check_positive_int,
     check_qkv,
     check_tensor,
-)
-from .linear_attention import (
-    _blockwise_attention,
-    _check_causal_and_block,
-    _flatten_batch,
-    default_block_size,
 )
 from .random_features import gaussian_random_matrix
 
@@ -161,9 +161,9 @@ def favor_attention(
         features: ``"positive"`` (FAVOR+, ``m`` features), ``"hyperbolic"`` (positive,
             ``2m``) or ``"trig"`` (``2m``; can give negative or tiny normalisers).
         chunk_size: chunk length ``C`` of the causal prefix sums (default
-            :func:`~efficient_attention.linear_attention.default_chunk_size`).
+            :func:`~efficient_attention._blockwise.default_chunk_size`).
         block_size: rows of features computed at a time (default
-            :func:`~efficient_attention.linear_attention.default_block_size`);
+            :func:`~efficient_attention._blockwise.default_block_size`);
             changes speed and memory, not the result.
 
     Returns:
