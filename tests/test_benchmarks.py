@@ -1,0 +1,121 @@
+"""Smoke tests of the benchmark scripts behind ``make bench`` and the comparison chapter.
+
+Each script runs in its quick mode (small sizes, a few seconds) into a temporary folder, and
+its JSON must have the structure of the committed results in ``benchmarks/results/``, which
+``book/comparison.ipynb`` reads. Nothing here checks a time: the numbers are measured by
+``make bench``, not by tests. About 40 s on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+COMMITTED = BENCHMARKS / "results"
+
+
+def _run(script: str, out: Path, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MPLBACKEND": "Agg"}
+    command = [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out), *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def _load(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def attention_speed():
+    path = BENCHMARKS / "attention_speed.py"
+    spec = importlib.util.spec_from_file_location("attention_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_speed_quick_run_writes_every_method(tmp_path):
+    _run("attention_speed.py", tmp_path, "--sizes", "256", "512")
+    report = _load(tmp_path, "attention_speed.json")
+    assert list(report["results"]) == ["256", "512"]
+    expected = ["SDPA", "FAVOR+", "FAVOR+ causal", "floor (2 matmuls)", "linear (elu+1)",
+                "Nystrom (64 landmarks)", "banded (w=32)"]
+    for n, row in report["results"].items():
+        for name in expected:
+            assert row["time"][name]["median_s"] > 0, (n, name)
+        assert row["ratios"]["FAVOR+ / floor"] > 0 and row["ratios"]["banded / SDPA"] > 0
+    # quick mode probes memory at the largest n only
+    assert report["results"]["512"]["memory"]["FAVOR+"]["peak_extra_mib"] >= 0
+    assert "memory" not in report["results"]["256"]
+    for suffix in ("md", "png"):
+        assert (tmp_path / f"attention_speed.{suffix}").stat().st_size > 0
+
+
+def test_wait_policy_probe_times_both_policies_in_fresh_processes(attention_speed):
+    result = attention_speed.compare_wait_policies(256, 1)
+    assert list(result) == ["PASSIVE", "ACTIVE"]
+    for policy, entry in result.items():
+        assert "error" not in entry, (policy, entry)
+        assert set(entry["time"]) == set(attention_speed.POLICY_METHODS)
+        assert entry["ratios"]["FAVOR+ / floor"] > 0
+
+
+def test_targets_include_each_wait_policy(attention_speed):
+    report = {
+        "results": {"8192": {"ratios": {"FAVOR+ / floor": 3.0, "FAVOR+ / SDPA": 0.05},
+                             "memory": {"FAVOR+": {"peak_extra_mib": 40.0}}}},
+        "wait_policies": {"PASSIVE": {"ratios": {"FAVOR+ / floor": 3.5}},
+                          "ACTIVE": {"ratios": {"FAVOR+ / floor": 2.2}}},
+    }
+    targets = attention_speed.check_targets(report)
+    assert targets["FAVOR+ / floor"] == {"measured": 3.0, "limit": 2.5, "met": False}
+    assert targets["FAVOR+ / SDPA"]["met"] is True
+    assert targets["FAVOR+ peak extra memory (MiB)"]["met"] is True
+    assert targets["FAVOR+ / floor, OMP_WAIT_POLICY=PASSIVE probe"]["met"] is False
+    assert targets["FAVOR+ / floor, OMP_WAIT_POLICY=ACTIVE probe"]["met"] is True
+    assert "banded / SDPA" not in targets  # not measured: no row rather than a false verdict
+
+
+def test_committed_speed_results_have_what_the_chapter_reads():
+    report = _load(COMMITTED, "attention_speed.json")
+    assert "8192" in report["results"]
+    assert set(report["wait_policies"]) == {"PASSIVE", "ACTIVE"}
+    assert all(name in report["methods"] for name in ("SDPA", "FAVOR+", "floor (2 matmuls)"))
+
+
+def test_train_models_quick_run_matches_the_committed_structure(tmp_path):
+    _run("train_models.py", tmp_path, "--no-progress")
+    quick, committed = _load(tmp_path, "train_models.json"), _load(COMMITTED, "train_models.json")
+    assert quick.keys() == committed.keys()
+    def shape(report):  # task -> mode -> attention kinds
+        return {task: {mode: sorted(kinds) for mode, kinds in modes.items()}
+                for task, modes in report["runs"].items()}
+
+    assert shape(quick) == shape(committed)
+    for task in quick["runs"].values():
+        for mode in task.values():
+            for kind, run in mode.items():
+                if run["status"] == "trained":
+                    assert len(run["loss"]) > 0 and 0 <= run["eval_accuracy"] <= 1, kind
+                else:
+                    assert run["reason"], kind
+
+
+def test_approximation_error_quick_run_matches_the_committed_structure(tmp_path):
+    _run("approximation_error.py", tmp_path, "--no-progress")
+    quick = _load(tmp_path, "approximation_error.json")
+    committed = _load(COMMITTED, "approximation_error.json")
+    assert sorted(quick["regimes"]) == sorted(committed["regimes"])
+    assert sorted(quick["methods"]) == sorted(committed["methods"])
+    for name, regime in quick["regimes"].items():
+        assert regime.keys() == committed["regimes"][name].keys(), name
+        uniform = regime["methods"]["uniform"]["mean"]
+        assert all(abs(value - 1) < 1e-9 for value in uniform), name  # the baseline scores 1
