@@ -206,14 +206,24 @@ def memory_probe(n: int, names: list[str]) -> None:
     print(json.dumps(extra))
 
 
+def run_probe(args: list[str], env: dict | None = None) -> tuple[object, str | None]:
+    """Run this script with hidden probe ``args`` in a fresh process.
+
+    Returns ``(value, None)`` with the JSON of its last line of output, or
+    ``(None, error)`` with the last line of its error output.
+    """
+    command = [sys.executable, __file__, *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        return None, (done.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(done.stdout.strip().splitlines()[-1]), None
+
+
 def measure_memory(n: int, names: list[str]) -> dict:
     """Peak extra MiB of one forward of each method at ``n``, from a fresh subprocess."""
-    command = [sys.executable, __file__, "--memory-probe", str(n), *names]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        error = done.stderr.strip().splitlines()[-1] if done.stderr else "failed"
+    extra, error = run_probe(["--memory-probe", str(n), *names])
+    if error is not None:
         return {name: {"error": error} for name in names}
-    extra = json.loads(done.stdout.strip().splitlines()[-1])
     return {name: {"peak_extra_mib": value / 2**20} for name, value in extra.items()}
 
 
@@ -240,15 +250,9 @@ def compare_wait_policies(n: int, repeats: int) -> dict:
     """
     out = {}
     for policy in WAIT_POLICIES:
-        command = [sys.executable, __file__, "--time-probe", str(n), str(repeats),
-                   *POLICY_METHODS]
-        env = {**os.environ, "OMP_WAIT_POLICY": policy}
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-        if done.returncode != 0:
-            out[policy] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-            continue
-        times = json.loads(done.stdout.strip().splitlines()[-1])
-        out[policy] = {"time": times, "ratios": ratios(times)}
+        times, error = run_probe(["--time-probe", str(n), str(repeats), *POLICY_METHODS],
+                                 env={**os.environ, "OMP_WAIT_POLICY": policy})
+        out[policy] = {"error": error} if error else {"time": times, "ratios": ratios(times)}
     return out
 
 
