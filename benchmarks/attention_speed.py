@@ -229,6 +229,7 @@ def measure_memory(n: int, names: list[str]) -> dict:
 
 POLICY_METHODS = ["FAVOR+", "FAVOR+ causal", "floor (2 matmuls)"]
 WAIT_POLICIES = ("PASSIVE", "ACTIVE")
+POLICY_RATIOS = ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")  # reported for each policy
 
 
 def time_probe(n: int, repeats: int, names: list[str]) -> None:
@@ -369,7 +370,7 @@ def write_markdown(report: dict, path: Path) -> None:
             ms = [entry["time"].get(name, {}).get("median_s") for name in POLICY_METHODS]
             cells = [f"{1e3 * t:.1f}" if t else "-" for t in ms]
             cells += [f"{entry['ratios'].get(label, float('nan')):.3f}"
-                      for label in ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")]
+                      for label in POLICY_RATIOS]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     skipped = sorted({
         f"{name} at n = {n}: {entry['skipped']}"
@@ -400,21 +401,17 @@ def check_targets(report: dict) -> dict:
     row = report["results"].get(str(TARGET_N))
     if row is None:
         return {}
-    out = {}
+    measured = {}  # label -> (value, limit)
     for label, (key, limit) in TARGETS.items():
         if label.endswith("(MiB)"):
-            value = row.get("memory", {}).get(key, {}).get("peak_extra_mib")
+            measured[label] = (row.get("memory", {}).get(key, {}).get("peak_extra_mib"), limit)
         else:
-            value = row["ratios"].get(key)
-        if value is not None:
-            out[label] = {"measured": value, "limit": limit, "met": value <= limit}
+            measured[label] = (row["ratios"].get(key), limit)
     for policy, entry in report.get("wait_policies", {}).items():
-        value = entry.get("ratios", {}).get("FAVOR+ / floor")
-        if value is not None:
-            limit = TARGETS["FAVOR+ / floor"][1]
-            out[f"FAVOR+ / floor, OMP_WAIT_POLICY={policy} probe"] = {
-                "measured": value, "limit": limit, "met": value <= limit}
-    return out
+        measured[f"FAVOR+ / floor, OMP_WAIT_POLICY={policy} probe"] = (
+            entry.get("ratios", {}).get("FAVOR+ / floor"), TARGETS["FAVOR+ / floor"][1])
+    return {label: {"measured": value, "limit": limit, "met": value <= limit}
+            for label, (value, limit) in measured.items() if value is not None}
 
 
 def write_plot(report: dict, path: Path) -> None:
@@ -507,7 +504,7 @@ def main() -> None:
               flush=True)
         report["wait_policies"] = compare_wait_policies(TARGET_N, repeats)
         for policy, entry in report["wait_policies"].items():
-            for label in ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+"):
+            for label in POLICY_RATIOS:
                 value = entry.get("ratios", {}).get(label)
                 shown = f"{value:9.3f}" if value is not None else entry.get("error", "-")
                 print(f"    {policy:8s}{label:24s}{shown}", flush=True)
