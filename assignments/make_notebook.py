@@ -5,11 +5,12 @@ single source of truth; this helper only saves typing the nbgrader metadata by h
 Write a small builder script *outside* ``assignments/source/`` (nbgrader copies every
 file of a source folder into the student release), for example::
 
-    from make_notebook import autotest, build, md, setup, solution, written
+    from make_notebook import autotest, build, grader_tools, md, setup, solution, written
 
     cells = [
         md("# Argmax attention\\n\\nOne sentence on what the assignment covers."),
         setup(),
+        grader_tools(),
         md("## Part 1 (2 points): ..."),
         solution("part1-solution", '''def f(x):
     ### BEGIN SOLUTION
@@ -83,6 +84,20 @@ def setup(source: str = DEFAULT_SETUP, grade_id: str = "setup"):
     """The read-only first code cell: imports and seeds (restored by nbgrader when edited)."""
     cell = new_code_cell(source.strip("\n"))
     cell.metadata.update(_nbgrader(grade_id, solution=False, grade=False, locked=True))
+    return cell
+
+
+GRADER_TOOLS_ID = "grader-tools"
+GRADER_TOOLS_FILE = Path(__file__).with_name("grader_tools.py")
+
+
+def grader_tools():
+    """The read-only second code cell: ``_grader``, the private checkers the tests use.
+
+    Its source is ``grader_tools.py`` (kept as a file so that it is linted and tested).
+    """
+    cell = new_code_cell(GRADER_TOOLS_FILE.read_text().strip("\n"))
+    cell.metadata.update(_nbgrader(GRADER_TOOLS_ID, solution=False, grade=False, locked=True))
     return cell
 
 
@@ -161,6 +176,12 @@ def check(nb) -> list[str]:
         problems.append("the first code cell must seed: torch.manual_seed(0)")
     elif not code_cells[0].metadata.get("nbgrader", {}).get("locked"):
         problems.append("the first code cell (setup) must be locked")
+    tools = [c for c in code_cells[1:2]
+             if c.metadata.get("nbgrader", {}).get("grade_id") == GRADER_TOOLS_ID]
+    if not tools or not tools[0].metadata["nbgrader"].get("locked"):
+        problems.append(f"the second code cell must be the locked {GRADER_TOOLS_ID!r} cell")
+    elif tools[0].source.strip() != GRADER_TOOLS_FILE.read_text().strip():
+        problems.append(f"the {GRADER_TOOLS_ID!r} cell differs from grader_tools.py")
     parts = set()
     for cell in nb.cells:
         meta = cell.metadata.get("nbgrader")
@@ -171,7 +192,7 @@ def check(nb) -> list[str]:
         if not meta:
             continue
         grade_id = meta["grade_id"]
-        if grade_id == "setup":
+        if grade_id in ("setup", GRADER_TOOLS_ID):
             continue
         match = GRADE_ID.match(grade_id)
         if not match:
