@@ -6,13 +6,24 @@ Everything is importable from the top level::
     out = ea.softmax_attention(q, k, v, causal=True)
 """
 
-import sys as _sys
-
+from . import (
+    attention,
+    embeddings,
+    fmm,
+    kernels,
+    linearized,
+    lowrank,
+    models,
+    nystrom,
+    performer,
+    purification,
+    random_features,
+)
 from .attention import *  # noqa: F403
 from .embeddings import *  # noqa: F403
 from .fmm import *  # noqa: F403
 from .kernels import *  # noqa: F403
-from .linear_attention import *  # noqa: F403
+from .linearized import *  # noqa: F403
 from .lowrank import *  # noqa: F403
 from .models import *  # noqa: F403
 from .nystrom import *  # noqa: F403
@@ -22,27 +33,24 @@ from .random_features import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-_MODULES = (
-    "attention",
-    "embeddings",
-    "fmm",
-    "kernels",
-    "linear_attention",
-    "lowrank",
-    "models",
-    "nystrom",
-    "performer",
-    "purification",
-    "random_features",
-)
-
-# Some modules share a name with a function they export (``linear_attention``), so the
-# star-imports above rebind the package attribute to the function: read each module's
-# ``__all__`` from ``sys.modules`` instead.
+# No module shares its name with a function it exports, so every package attribute
+# named after a module is that module (``import efficient_attention.linearized as m``).
 __all__ = sorted(
     {
         name
-        for module in _MODULES
-        for name in _sys.modules[f"{__name__}.{module}"].__all__
+        for module in (
+            attention,
+            embeddings,
+            fmm,
+            kernels,
+            linearized,
+            lowrank,
+            models,
+            nystrom,
+            performer,
+            purification,
+            random_features,
+        )
+        for name in module.__all__
     }
 )

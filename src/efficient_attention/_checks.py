@@ -1,26 +1,58 @@
-"""Input validation shared by every module.
+"""Input validation shared by every module, and the one rule for compute dtypes.
 
-Each helper raises ``TypeError`` or ``ValueError`` with a message that names the
-argument, what it got and what was expected, so that a student who passes the
-wrong thing learns what to fix.
+Each helper raises ``TypeError`` (wrong kind of object) or ``ValueError`` (right kind,
+wrong value) with a message that names the argument, what it got and what was
+expected, so that a student who passes the wrong thing learns what to fix. Every
+public function of the package validates through these helpers, so the same input
+gets the same answer everywhere:
+
+- tensors of attention inputs must be real floating point (no integer, bool or
+  complex dtypes);
+- flags are real ``bool`` values (``"yes"``, ``1`` or ``None`` are rejected);
+- sizes are ``int`` (never ``bool``), counts ``>= 0`` or ``>= 1`` as stated;
+- real parameters are finite numbers in the stated range;
+- masks are bool tensors broadcastable to ``(..., n_k)``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "HALF_DTYPES",
+    "compute_dtype",
     "check_tensor",
     "check_same_last_dim",
     "check_qkv",
+    "check_bool",
     "check_positive_int",
     "check_nonnegative_int",
+    "check_real",
     "check_positive_float",
+    "check_nonnegative_float",
+    "check_fraction",
+    "check_causal_lengths",
     "check_key_padding_mask",
     "check_generator",
 ]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype arithmetic is done in: the promoted dtype, float32 for half types.
+
+    Half precision (float16, bfloat16) overflows at 65504 (float16) and keeps 3 (8-bit
+    mantissa) significant digits, too few for exponentials and long sums; results are
+    cast back to the input dtype by the caller.
+    """
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
 def check_tensor(
@@ -32,13 +64,18 @@ def check_tensor(
 ) -> torch.Tensor:
     """Return ``x`` if it is a tensor with at least ``min_dim`` dimensions.
 
-    Raises ``TypeError`` for a non-tensor (or a non-floating tensor when
-    ``floating``) and ``ValueError`` for too few dimensions.
+    Raises ``TypeError`` for a non-tensor, and, when ``floating``, for any dtype that is
+    not real floating point (integer, bool and complex tensors are rejected: the
+    formulas of this package are for real numbers); ``ValueError`` for too few
+    dimensions.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if floating and not (x.is_floating_point() or x.is_complex()):
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if floating and not x.is_floating_point():
+        raise TypeError(
+            f"{name} must be a real floating-point tensor (float16, bfloat16, float32 or "
+            f"float64), got dtype {x.dtype}"
+        )
     if x.dim() < min_dim:
         raise ValueError(
             f"{name} must have at least {min_dim} dimension(s) (..., n, d), "
@@ -59,13 +96,20 @@ def check_same_last_dim(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: s
 def check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate queries ``(..., n_q, d)``, keys ``(..., n_k, d)``, values ``(..., n_k, d_v)``.
 
-    Checks types, rank (at least 2), matching ``d`` of q and k, matching ``n_k`` of
-    k and v, broadcastable batch dimensions, one dtype and one device.
+    Checks types (real floating point), rank (at least 2), ``d >= 1`` shared by q and k
+    (with no feature the ``1/sqrt(d)`` scale is undefined), matching ``n_k`` of k and
+    v, broadcastable batch dimensions, one dtype and one device. Any other size may be
+    zero: the result is then empty (or, with ``n_k = 0``, the zero output of a query
+    with no key).
     """
     q = check_tensor(q, "q", min_dim=2)
     k = check_tensor(k, "k", min_dim=2)
     v = check_tensor(v, "v", min_dim=2)
     check_same_last_dim(q, k, "q", "k")
+    if q.shape[-1] == 0:
+        raise ValueError(
+            f"q and k must have at least one feature (d >= 1), got q.shape={tuple(q.shape)}"
+        )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "k and v must have the same sequence length n_k (dimension -2), got "
@@ -89,6 +133,20 @@ def check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Tens
     return q, k, v
 
 
+def check_bool(value: object, name: str) -> bool:
+    """Return ``value`` if it is a ``bool`` (``"yes"``, ``1``, ``None`` are rejected)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+    return value
+
+
+def _check_number(value: object, name: str, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def check_positive_int(value: object, name: str) -> int:
     """Return ``value`` if it is a positive ``int`` (bools rejected)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -109,14 +167,43 @@ def check_nonnegative_int(value: object, name: str) -> int:
     return value
 
 
+def check_real(value: object, name: str) -> float:
+    """Return ``float(value)`` for any real number, NaN and infinities included.
+
+    For parameters whose non-finite values propagate through the formula as they
+    would in PyTorch (a NaN ``scale`` gives NaN scores, as in SDPA).
+    """
+    return _check_number(value, name, "a real number")
+
+
 def check_positive_float(value: object, name: str) -> float:
     """Return ``float(value)`` if it is a finite real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (value > 0 and value != float("inf")):
+    value = _check_number(value, name, "a positive number")
+    if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive finite number, got {value}")
     return value
+
+
+def check_nonnegative_float(value: object, name: str) -> float:
+    """Return ``float(value)`` if it is a finite real number >= 0."""
+    value = _check_number(value, name, "a number >= 0")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+def check_fraction(value: object, name: str) -> float:
+    """Return ``float(value)`` if it lies strictly between 0 and 1."""
+    value = _check_number(value, name, "a number in (0, 1)")
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value}")
+    return value
+
+
+def check_causal_lengths(n_q: int, n_k: int) -> None:
+    """Causal attention pairs query ``i`` with keys ``j <= i``: it needs ``n_q == n_k``."""
+    if n_q != n_k:
+        raise ValueError(f"causal=True needs as many queries as keys, got n_q={n_q} and n_k={n_k}")
 
 
 def check_key_padding_mask(
@@ -125,8 +212,9 @@ def check_key_padding_mask(
     """Validate a key padding mask against keys of shape ``(..., n_k, d)``.
 
     The mask is a bool tensor broadcastable to ``key_shape[:-1]`` (that is
-    ``(..., n_k)``) and ``True`` where the key is padding. Returns the mask
-    broadcast to ``key_shape[:-1]``, or ``None`` when no mask was given.
+    ``(..., n_k)``; e.g. ``(b, 1)`` for ``(b, n_k)`` masks every key of batch element
+    ``b`` alike) and ``True`` where the key is padding. Returns the mask broadcast to
+    ``key_shape[:-1]`` (a view), or ``None`` when no mask was given.
     """
     if mask is None:
         return None
@@ -139,17 +227,11 @@ def check_key_padding_mask(
             f"key_padding_mask must have dtype torch.bool (True = padding), got {mask.dtype}"
         )
     target = tuple(key_shape[:-1])
-    n_k = target[-1]
-    if mask.dim() == 0 or mask.shape[-1] != n_k:
-        raise ValueError(
-            f"key_padding_mask must be broadcastable to {target} (..., n_k) with n_k={n_k}, "
-            f"got shape {tuple(mask.shape)}"
-        )
     try:
         out = torch.broadcast_to(mask, target)
     except RuntimeError as err:
         raise ValueError(
-            f"key_padding_mask must be broadcastable to {target} (..., n_k), "
+            f"key_padding_mask must be broadcastable to the keys' {target} (..., n_k), "
             f"got shape {tuple(mask.shape)}"
         ) from err
     if mask.device != device:

@@ -8,13 +8,23 @@ Reference: Vaswani et al., "Attention Is All You Need", NeurIPS 2017.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_tensor
+from ._checks import (
+    check_bool,
+    check_causal_lengths,
+    check_key_padding_mask,
+    check_nonnegative_int,
+    check_positive_int,
+    check_qkv,
+    check_real,
+    check_tensor,
+    compute_dtype,
+)
+from ._padding import zero_padded_rows
 
 __all__ = [
     "default_device",
@@ -34,33 +44,21 @@ def causal_mask(n: int, *, device: torch.device | str | None = None) -> torch.Te
     """Bool ``(n, n)`` mask that is ``True`` where query ``i`` may *not* see key ``j`` (j > i).
 
     This is the PyTorch convention for masks that remove entries (``True`` = masked).
+    ``n = 0`` gives the empty ``(0, 0)`` mask.
     """
-    check_positive_int(n, "n")
+    check_nonnegative_int(n, "n")
     return torch.ones(n, n, dtype=torch.bool, device=device).triu(diagonal=1)
 
 
-def _scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    scale: float | None,
-) -> torch.Tensor:
-    """Scaled, masked scores ``q k^T * scale`` of shape ``(..., n_q, n_k)``; masked = -inf."""
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        n_q, n_k = q.shape[-2], k.shape[-2]
-        if n_q != n_k:
-            raise ValueError(
-                f"causal=True needs as many queries as keys, got n_q={n_q} and n_k={n_k}"
-            )
-        scores = scores.masked_fill(causal_mask(n_q, device=q.device), float("-inf"))
-    if key_padding_mask is not None:
-        scores = scores.masked_fill(key_padding_mask.unsqueeze(-2), float("-inf"))
-    return scores
+def _masked_positions(
+    n_q: int, causal: bool, mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Bool ``(..., n_q, n_k)`` (broadcastable), ``True`` where a query may not see a key."""
+    masked = causal_mask(n_q, device=device) if causal else None
+    if mask is not None:
+        padded = mask.unsqueeze(-2)  # (..., 1, n_k)
+        masked = padded if masked is None else masked | padded
+    return masked
 
 
 def softmax_attention(
@@ -91,21 +89,45 @@ def softmax_attention(
         return_weights: also return the ``(..., n_q, n_k)`` attention matrix.
 
     Returns:
-        ``(..., n_q, d_v)``, and the weights when ``return_weights``. A query whose keys
-        are all masked gets an output of zeros (and a row of zero weights), never NaN.
+        ``(..., n_q, d_v)`` in the dtype of ``q``, and the weights when
+        ``return_weights``. A query whose keys are all masked (or with ``n_k = 0``) gets
+        an output of zeros and a row of zero weights. Every other NaN or inf propagates
+        as in ``torch.nn.functional.scaled_dot_product_attention``: a NaN in ``q``, in an
+        unmasked key or value, or a NaN ``scale`` gives NaN outputs. (As in SDPA, a
+        non-finite *unpadded* value can also reach an output that gives it weight zero,
+        ``0 * NaN = NaN``: for instance a later value in causal attention. Padded keys
+        and values never do.)
+
+    ``q`` is multiplied by ``scale`` before the product, so that the scores are formed
+    at their final size (no overflow of ``q k^T`` in float16 when ``q k^T / sqrt(d)``
+    fits); half-precision inputs are computed in float32.
 
     Cost: time ``O(n_q n_k (d + d_v))``, memory ``O(n_q n_k)`` for the weights.
     """
     q, k, v = check_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
+    return_weights = check_bool(return_weights, "return_weights")
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
-    scores = _scores(q, k, causal=causal, key_padding_mask=mask, scale=scale)
-    weights = torch.softmax(scores, dim=-1)
-    # A fully masked row is all -inf and softmax gives NaN: make it zero instead.
-    weights = torch.nan_to_num(weights, nan=0.0)
-    out = weights @ v
-    return (out, weights) if return_weights else out
+    scale = q.shape[-1] ** -0.5 if scale is None else check_real(scale, "scale")
+    n_q = q.shape[-2]
+    if causal:
+        check_causal_lengths(n_q, k.shape[-2])
+    dtype = compute_dtype(q)
+    # Padded rows become zeros before any product, so that NaN or inf there cannot leak.
+    k, v = zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
+    # Scale q before the product: scores of size |q| |k| / sqrt(d), not |q| |k|.
+    scores = (q.to(dtype) * scale) @ k.transpose(-2, -1)  # (..., n_q, n_k)
+    masked = _masked_positions(n_q, causal, mask, q.device)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+        # A row with no key left is all -inf, and softmax would give 0 / 0 = NaN there:
+        # such rows get the documented zero output instead. Any other NaN stays.
+        empty = masked.all(dim=-1, keepdim=True)  # (..., n_q, 1)
+        weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    out = (weights @ v).to(q.dtype)
+    return (out, weights.to(q.dtype)) if return_weights else out
 
 
 def argmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -117,12 +139,22 @@ def argmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     gradient descent.
 
     Shapes: q ``(..., n_q, d)``, k ``(..., n_k, d)``, v ``(..., n_k, d_v)`` ->
-    ``(..., n_q, d_v)``. Cost: time ``O(n_q n_k d)``, memory ``O(n_q n_k)``.
+    ``(..., n_q, d_v)``; ``n_k = 0`` raises ``ValueError`` (nothing to select), and a
+    query with a NaN score gets a NaN output. Cost: time ``O(n_q n_k d)``, memory
+    ``O(n_q n_k)``.
     """
     q, k, v = check_qkv(q, k, v)
-    scores = q @ k.transpose(-2, -1)
-    one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), k.shape[-2]).to(v.dtype)
-    return one_hot @ v
+    n_k = k.shape[-2]
+    if n_k == 0:
+        raise ValueError(
+            f"argmax_attention needs at least one key to select, got k.shape={tuple(k.shape)}"
+        )
+    scores = q @ k.transpose(-2, -1)  # (..., n_q, n_k)
+    one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), n_k).to(v.dtype)
+    out = one_hot @ v  # (..., n_q, d_v)
+    # argmax skips nothing and picks a NaN score as the largest: say so with a NaN row.
+    undefined = scores.isnan().any(dim=-1, keepdim=True)  # (..., n_q, 1)
+    return out.masked_fill(undefined, float("nan"))
 
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -207,7 +239,7 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(context))  # (..., h, n_k, d_head)
         v = self._split(self.v_proj(context))  # (..., h, n_k, d_head)
         kwargs = dict(attention_kwargs)
-        if causal:
+        if check_bool(causal, "causal"):
             kwargs["causal"] = True
         if key_padding_mask is not None:
             expected = tuple(context.shape[:-1])

@@ -35,7 +35,7 @@ from ._checks import (
     check_positive_int,
     check_qkv,
 )
-from .linear_attention import elu_feature_map, linear_attention
+from .linearized import elu_feature_map, linear_attention
 
 __all__ = [
     "banded_attention",

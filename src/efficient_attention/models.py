@@ -38,7 +38,7 @@ from ._checks import check_generator, check_positive_int
 from .attention import MultiHeadAttention, softmax_attention
 from .embeddings import sinusoidal_positional_encoding
 from .fmm import FMMAttention
-from .linear_attention import elu_feature_map, linear_attention
+from .linearized import elu_feature_map, linear_attention
 from .nystrom import NystromAttention
 from .performer import FavorAttention
 

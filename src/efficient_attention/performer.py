@@ -7,20 +7,14 @@ Softmax attention ``softmax(q k^T / sqrt(d)) v`` weighs key ``j`` by
     out = D^-1 phi(Q~) (phi(K~)^T V),   D = diag(phi(Q~) phi(K~)^T 1).
 
 Stabilisation. The features contain exponentials that overflow or underflow for
-large inputs, so :func:`favor_attention` multiplies every query feature row by its own
-constant and every key feature by one common constant (per batch element and head). A
-row constant of ``phi(q_i)`` multiplies both the numerator and the denominator of
-output ``i``; a common key constant multiplies every term of both sums. Both cancel, so
-the output is exactly that of the unstabilised estimator. (A per-key constant would
-not cancel: it would reweigh the keys.) Concretely, for the positive map
-
-    phi(q~_i)_l -> exp(w_l^T q~_i - max_l' w_l'^T q~_i)              (row constant),
-    phi(k~_j)_l -> exp(w_l^T k~_j - |k~_j|^2 / 2 - top)    (one constant per head),
-
-where ``top`` is the largest ``w_l^T k~_j - |k~_j|^2 / 2`` over the non-padded keys.
-Keys are processed in blocks; ``top`` is the running maximum, and the running sums
-are rescaled by ``exp(top_old - top_new)`` when it grows (as in online softmax), so
-the final result uses the global maximum. Padded keys get an all-zero feature row.
+large inputs. :func:`favor_attention` therefore works with their logarithms and
+subtracts, for every feature ``l``, the largest key log-feature ``c_l`` among the keys
+a query may see (never a future key when causal), and, for every query, the log of its
+largest term; both are constants that cancel between numerator and denominator, so
+the output is that of the unstabilised estimator, for any ``block_size`` and
+``chunk_size``, while every feature lies in ``[0, 1]`` (or ``[-1, 1]`` for trig) and
+the largest term of each row is 1 (no 0 / 0 for a query with a key). The details and
+the proof are in the docstring of the private module ``_stabilised``.
 
 Reference: Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
 """
@@ -30,27 +24,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._blockwise import (
-    _blockwise_attention,
-    _check_causal_and_block,
-    _flatten_batch,
-    default_block_size,
-)
+from ._blockwise import check_block_sizes, default_block_size, flatten_batch
 from ._checks import (
+    check_bool,
+    check_causal_lengths,
     check_generator,
     check_key_padding_mask,
     check_nonnegative_int,
     check_positive_int,
     check_qkv,
     check_tensor,
+    compute_dtype,
 )
+from ._stabilised import stabilised_attention
 from .random_features import gaussian_random_matrix
 
 __all__ = ["favor_attention", "FavorAttention"]
 
 FEATURE_KINDS = ("positive", "trig", "hyperbolic")
-_HALF = (torch.float16, torch.bfloat16)
-_TOP_FLOOR = -1e30  # stands for "no key yet"; exp(_TOP_FLOOR - top) underflows to 0
 
 
 def _check_features(features: object) -> str:
@@ -61,69 +52,48 @@ def _check_features(features: object) -> str:
 
 def _check_w(w: object, d: int, device: torch.device) -> torch.Tensor:
     w = check_tensor(w, "w", min_dim=2)
-    if w.dim() != 2 or w.shape[-1] != d:
-        raise ValueError(f"w must have shape (m, d) with d={d} like q and k, got {tuple(w.shape)}")
+    if w.dim() != 2 or w.shape[-1] != d or w.shape[0] == 0:
+        raise ValueError(
+            f"w must have shape (m, d) with m >= 1 and d={d} like q and k, got {tuple(w.shape)}"
+        )
     if w.device != device:
         raise ValueError(f"w must be on the device of q ({device}), got {w.device}")
     return w
 
 
-def _query_features(q: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
-    """Features of a block of queries ``(B, b, d)`` up to a positive constant per row.
+def _query_features(
+    q: torch.Tensor, w: torch.Tensor, kind: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Log-features ``(log, signed)`` of a block of queries ``(B, b, d)``, up to a row constant.
 
-    ``w`` is already multiplied by ``d^-1/4`` and in the compute dtype.
+    ``w`` is already multiplied by ``d^-1/4`` and in the compute dtype. The factors
+    ``exp(-|q~|^2 / 2)`` (positive, hyperbolic), ``exp(|q~|^2 / 2)`` (trig) and
+    ``1/sqrt(m)`` are the same for every feature of the row: dropped.
     """
     proj = q.to(w.dtype) @ w.transpose(-2, -1)  # (B, b, m)
-    if kind == "trig":  # exp(|q|^2 / 2) / sqrt(m) is a row constant: dropped
-        return torch.cat([proj.cos(), proj.sin()], dim=-1)
+    if kind == "trig":
+        return None, torch.cat([proj.cos(), proj.sin()], dim=-1)  # (B, b, 2m)
     if kind == "hyperbolic":
         proj = torch.cat([proj, -proj], dim=-1)  # (B, b, 2m)
-    # exp(proj - |q|^2/2) / sqrt(m) up to a row constant: subtract the row maximum
-    # (in place; no overflow, and the largest feature of every row is 1).
-    return proj.sub_(proj.detach().amax(dim=-1, keepdim=True)).exp_()
+    return proj, None
 
 
 def _key_features(
-    k: torch.Tensor,
-    mask: torch.Tensor | None,
-    top: torch.Tensor | None,
-    w: torch.Tensor,
-    kind: str,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features of a block of keys ``(B, b, d)`` as ``(phi, new_top)``, true = ``phi e^new_top``.
+    k: torch.Tensor, w: torch.Tensor, kind: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-features ``(log, signed)`` of a block of keys ``(B, b, d)`` (up to ``1/sqrt(m)``).
 
-    ``new_top`` ``(B, 1, 1)`` is the running maximum ``top`` (None at the first block)
-    raised to this block's largest log-feature over non-padded keys. It is detached:
-    the output does not depend on it. Padded keys get a zero row.
+    Positive: ``log = w^T k~ - |k~|^2 / 2``; hyperbolic: the same for ``+-w``; trig:
+    ``log = |k~|^2 / 2`` (one per key, ``(B, b, 1)``) and ``signed = [cos, sin](w^T k~)``.
     """
     k = k.to(w.dtype)
-    norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True)  # (B, b, 1)
-    half_sq_norm = (0.5 * scale**2) * norm.square()  # |d^-1/4 k|^2 / 2, (B, b, 1)
+    half_sq_norm = (0.5 * scale**2) * k.square().sum(dim=-1, keepdim=True)  # (B, b, 1)
     proj = k @ w.transpose(-2, -1)  # (B, b, m)
+    if kind == "trig":
+        return half_sq_norm, torch.cat([proj.cos(), proj.sin()], dim=-1)
     if kind == "hyperbolic":
         proj = torch.cat([proj, -proj], dim=-1)  # (B, b, 2m)
-    if mask is not None:  # padded rows: no NaN or inf from whatever the padding holds
-        padded = mask.unsqueeze(-1)  # (B, b, 1)
-        half_sq_norm = half_sq_norm.masked_fill(padded, 0.0)
-        proj = proj.masked_fill_(padded, 0.0 if kind == "trig" else float("-inf"))
-    if kind == "trig":
-        row_log_max = half_sq_norm  # log of exp(|k|^2 / 2), the size of the row
-    else:
-        row_log_max = proj.detach().amax(dim=-1, keepdim=True) - half_sq_norm  # (B, b, 1)
-    if mask is not None:
-        row_log_max = row_log_max.masked_fill(padded, float("-inf"))
-    new_top = row_log_max.detach().amax(dim=-2, keepdim=True)  # (B, 1, 1)
-    # Only padding so far gives -inf; a finite floor keeps exp(top - new_top) free of
-    # NaN (padded keys are zeroed separately).
-    new_top = new_top.clamp_min(_TOP_FLOOR) if top is None else torch.maximum(top, new_top)
-    if kind == "trig":
-        row_scale = torch.exp(half_sq_norm - new_top)  # (B, b, 1)
-        if mask is not None:
-            row_scale = row_scale.masked_fill(padded, 0.0)
-        return row_scale * torch.cat([proj.cos(), proj.sin()], dim=-1), new_top
-    # exp(proj - |k|^2/2 - top) in two in-place passes; padded rows are exp(-inf) = 0.
-    return proj.sub_(half_sq_norm + new_top).exp_(), new_top  # (B, b, m')
+    return proj - half_sq_norm, None
 
 
 def favor_attention(
@@ -147,8 +117,11 @@ def favor_attention(
     with ``phi`` one of the unbiased estimators of ``exp(x^T y)`` from
     :mod:`efficient_attention.random_features` built on the rows of ``w``. The
     features are stabilised internally by constants that cancel (see the module
-    docstring), so the output equals the unstabilised formula but does not overflow.
-    Padded keys are in neither the numerator nor the normaliser, nor in the maximum.
+    docstring): the output equals the unstabilised formula but nothing overflows, and
+    a query with at least one unmasked key never gets a zero row from underflow.
+    Padded keys (even holding NaN or inf) are in neither the numerator nor the
+    normaliser, nor in any maximum; a query with no unmasked key gets zeros. Other NaN
+    inputs give NaN outputs.
 
     Args:
         q: queries ``(..., n_q, d)``.
@@ -160,11 +133,11 @@ def favor_attention(
         key_padding_mask: bool, broadcastable to ``(..., n_k)``, ``True`` = padding.
         features: ``"positive"`` (FAVOR+, ``m`` features), ``"hyperbolic"`` (positive,
             ``2m``) or ``"trig"`` (``2m``; can give negative or tiny normalisers).
-        chunk_size: chunk length ``C`` of the causal prefix sums (default
-            :func:`~efficient_attention._blockwise.default_chunk_size`).
-        block_size: rows of features computed at a time (default
-            :func:`~efficient_attention._blockwise.default_block_size`);
-            changes speed and memory, not the result.
+        chunk_size: chunk length ``C`` of the causal prefix sums (default: the power of
+            two ``>= m d_v / (m + d_v)``, at least 16).
+        block_size: rows of features computed at a time (default: about ``2^20``
+            numbers per block, at least 64 rows); changes speed and memory, not the
+            result beyond rounding.
 
     Returns:
         ``(..., n_q, d_v)`` in the dtype of ``q``; half inputs are computed in float32.
@@ -174,26 +147,27 @@ def favor_attention(
     the features ``O(n m)`` and, when causal, one ``m x d_v`` state per chunk.
     """
     q, k, v = check_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
     w = _check_w(w, q.shape[-1], q.device)
     kind = _check_features(features)
-    _check_causal_and_block(causal, q.shape[-2], k.shape[-2], chunk_size, block_size)
-    dtype = torch.promote_types(q.dtype, w.dtype)
-    dtype = torch.float32 if dtype in _HALF else dtype
+    if causal:
+        check_causal_lengths(q.shape[-2], k.shape[-2])
+    check_block_sizes(chunk_size, block_size)
+    dtype = compute_dtype(q, w)
     scale = q.shape[-1] ** -0.25
     w = w.to(dtype) * scale  # (m, d): (d^-1/4 x) w^T = x (d^-1/4 w)^T, no copy of q or k
-    batch, (q3, k3, v3, mask2) = _flatten_batch(q, k, v, mask)
+    batch, (q3, k3, v3, mask2) = flatten_batch(q, k, v, mask)
     width = w.shape[0] * (1 if kind == "positive" else 2)
-    size = block_size or default_block_size(q3.shape[0], width, max(q.shape[-2], 1))
-    out = _blockwise_attention(
+    size = block_size or default_block_size(q3.shape[0], width, q.shape[-2])
+    out = stabilised_attention(
         q3,
         k3,
         v3.to(dtype),
         lambda x: _query_features(x, w, kind),
-        lambda x, mask_b, top: _key_features(x, mask_b, top, w, kind, scale),
+        lambda x: _key_features(x, w, kind, scale),
         causal=causal,
         mask=mask2,
-        eps=0.0,
         block_size=size,
         chunk_size=chunk_size,
     )
@@ -216,7 +190,7 @@ class FavorAttention(nn.Module):
         generator: a CPU ``torch.Generator`` for the draws; or
         seed: an int to seed a private generator (at most one of the two).
 
-    ``forward(q, k, v, causal=False, key_padding_mask=None)`` on ``(..., n, dim_head)``
+    ``forward(q, k, v, *, causal=False, key_padding_mask=None)`` on ``(..., n, dim_head)``
     tensors returns ``(..., n_q, d_v)``. It has the signature
     :class:`~efficient_attention.MultiHeadAttention` expects of an attention function.
     New draws are made on the generator's device and copied into the buffer ``w``,
@@ -237,9 +211,7 @@ class FavorAttention(nn.Module):
         super().__init__()
         self.dim_head = check_positive_int(dim_head, "dim_head")
         self.num_features = check_positive_int(num_features, "num_features")
-        if not isinstance(orthogonal, bool):
-            raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
-        self.orthogonal = orthogonal
+        self.orthogonal = check_bool(orthogonal, "orthogonal")
         if redraw_interval is not None:
             check_nonnegative_int(redraw_interval, "redraw_interval")
         self.redraw_interval = redraw_interval or 0
@@ -271,6 +243,7 @@ class FavorAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tests for efficient_attention.linear_attention: exactness, causality, masks, memory."""
+"""Tests for efficient_attention.linearized: exactness, causality, masks, memory."""
 
 import pytest
 import torch

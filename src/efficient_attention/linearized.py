@@ -28,13 +28,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._blockwise import (
-    _blockwise_attention,
-    _check_causal_and_block,
-    _check_causal_lengths,
-    _flatten_batch,
+    blockwise_attention,
+    check_block_sizes,
     default_block_size,
+    flatten_batch,
 )
-from ._checks import check_key_padding_mask, check_qkv, check_tensor
+from ._checks import (
+    check_bool,
+    check_causal_lengths,
+    check_key_padding_mask,
+    check_nonnegative_float,
+    check_qkv,
+    check_tensor,
+    compute_dtype,
+)
+from ._padding import zero_padded_rows
 
 __all__ = [
     "elu_feature_map",
@@ -42,8 +50,6 @@ __all__ = [
     "linear_attention",
     "RecurrentLinearAttention",
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,18 +62,6 @@ def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """
     x = check_tensor(x, "x", min_dim=1)
     return F.elu(x) + 1.0
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in _HALF else x.dtype
-
-
-def _check_eps(eps: object) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a number >= 0, got {type(eps).__name__} {eps!r}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    return float(eps)
 
 
 def kernelized_attention(
@@ -86,29 +80,35 @@ def kernelized_attention(
     with ``K = kernel(q, k)`` a ``(..., n_q, n_k)`` matrix; causal and padded entries
     are set to zero first. With :func:`~efficient_attention.softmax_kernel` (scale
     ``1/sqrt(d)``) this is softmax attention. A row whose weights sum to zero (every key
-    masked) gets an output of zeros.
+    masked) gets an output of zeros. Padded keys and values are replaced by zeros before
+    ``kernel`` sees them, so NaN or inf padding cannot leak; any other NaN propagates.
+    Half-precision inputs are computed in float32.
 
     Shapes: q ``(..., n_q, d)``, k ``(..., n_k, d)``, v ``(..., n_k, d_v)`` ->
     ``(..., n_q, d_v)``. Cost: time ``O(n_q n_k (d + d_v))``, memory ``O(n_q n_k)``.
     """
     q, k, v = check_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
     if not callable(kernel):
         raise TypeError(f"kernel must be callable kernel(q, k), got {type(kernel).__name__}")
-    weights = kernel(q, k)
     n_q, n_k = q.shape[-2], k.shape[-2]
+    if causal:
+        check_causal_lengths(n_q, n_k)
+    dtype = compute_dtype(q)
+    k, v = zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
+    weights = kernel(q.to(dtype), k)
     if not isinstance(weights, torch.Tensor) or tuple(weights.shape[-2:]) != (n_q, n_k):
         got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
         raise ValueError(f"kernel(q, k) must return (..., n_q, n_k)=(..., {n_q}, {n_k}), got {got}")
     if causal:
-        _check_causal_lengths(n_q, n_k)
         future = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(diagonal=1)
         weights = weights.masked_fill(future, 0.0)
     if mask is not None:
         weights = weights.masked_fill(mask.unsqueeze(-2), 0.0)
     total = weights.sum(-1, keepdim=True)  # (..., n_q, 1)
     safe_total = torch.where(total == 0, torch.ones_like(total), total)
-    return (weights @ v) / safe_total
+    return ((weights @ v) / safe_total).to(q.dtype)
 
 
 def linear_attention(
@@ -144,12 +144,14 @@ def linear_attention(
         key_padding_mask: bool, broadcastable to ``(..., n_k)``, ``True`` = padding. A
             padded key's feature row is zeroed, so it is in neither the numerator nor
             the normaliser.
-        eps: added to the denominator.
-        chunk_size: chunk length ``C`` of the causal prefix sums (default
-            :func:`~efficient_attention._blockwise.default_chunk_size`).
-        block_size: rows of features computed at a time (default
-            :func:`~efficient_attention._blockwise.default_block_size`); changes speed
-            and memory, not the result.
+        eps: added to the denominator; a finite number ``>= 0``. With ``eps = 0`` a query
+            whose normaliser is zero (every key padded) gets zeros.
+        chunk_size: chunk length ``C`` of the causal prefix sums (default: the power of
+            two ``>= m d_v / (m + d_v)``, at least 16, which keeps the per-chunk states
+            no larger than the features).
+        block_size: rows of features computed at a time (default: about ``2^20``
+            numbers per block, at least 64 rows); changes speed and memory, not the
+            result beyond rounding.
 
     Returns:
         ``(..., n_q, d_v)`` in the dtype of ``q``.
@@ -160,13 +162,16 @@ def linear_attention(
     ``C``, kept for the backward pass.
     """
     q, k, v = check_qkv(q, k, v)
+    causal = check_bool(causal, "causal")
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
     if not callable(feature_map):
         raise TypeError(f"feature_map must be callable, got {type(feature_map).__name__}")
-    eps = _check_eps(eps)
-    _check_causal_and_block(causal, q.shape[-2], k.shape[-2], chunk_size, block_size)
-    dtype = _compute_dtype(q)
-    batch, (q3, k3, v3, mask2) = _flatten_batch(q, k, v, mask)
+    eps = check_nonnegative_float(eps, "eps")
+    if causal:
+        check_causal_lengths(q.shape[-2], k.shape[-2])
+    check_block_sizes(chunk_size, block_size)
+    dtype = compute_dtype(q)
+    batch, (q3, k3, v3, mask2) = flatten_batch(q, k, v, mask)
 
     def features(x: torch.Tensor) -> torch.Tensor:
         phi = feature_map(x.to(dtype))
@@ -177,15 +182,9 @@ def linear_attention(
             )
         return phi
 
-    def key_features(x: torch.Tensor, mask_b: torch.Tensor | None, top: None):
-        phi = features(x)
-        if mask_b is not None:
-            phi = phi.masked_fill(mask_b.unsqueeze(-1), 0.0)
-        return phi, None
-
-    size = block_size or default_block_size(q3.shape[0], q.shape[-1], max(q.shape[-2], 1))
-    out = _blockwise_attention(
-        q3, k3, v3.to(dtype), features, key_features, causal=causal, mask=mask2, eps=eps,
+    size = block_size or default_block_size(q3.shape[0], q.shape[-1], q.shape[-2])
+    out = blockwise_attention(
+        q3, k3, v3.to(dtype), features, causal=causal, mask=mask2, eps=eps,
         block_size=size, chunk_size=chunk_size,
     )
     return out.reshape(*batch, q.shape[-2], v.shape[-1]).to(q.dtype)
@@ -215,7 +214,7 @@ class RecurrentLinearAttention(nn.Module):
         if not callable(feature_map):
             raise TypeError(f"feature_map must be callable, got {type(feature_map).__name__}")
         self.feature_map = feature_map
-        self.eps = _check_eps(eps)
+        self.eps = check_nonnegative_float(eps, "eps")
         self.state: torch.Tensor | None = None  # S, (..., m, d_v)
         self.normalizer: torch.Tensor | None = None  # z, (..., m)
 
@@ -234,7 +233,7 @@ class RecurrentLinearAttention(nn.Module):
                 f"q_t and k_t must have the same last dimension d, got {tuple(q_t.shape)} "
                 f"and {tuple(k_t.shape)}"
             )
-        dtype = _compute_dtype(q_t)
+        dtype = compute_dtype(q_t)
         phi_q = self.feature_map(q_t.to(dtype))  # (..., m)
         phi_k = self.feature_map(k_t.to(dtype))  # (..., m)
         update = phi_k.unsqueeze(-1) * v_t.to(dtype).unsqueeze(-2)  # (..., m, d_v)
@@ -254,7 +253,11 @@ class RecurrentLinearAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = check_qkv(q, k, v)
-        _check_causal_lengths(q.shape[-2], k.shape[-2])
-        outputs = [self.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(q.shape[-2])]
+        check_causal_lengths(q.shape[-2], k.shape[-2])
+        n = q.shape[-2]
+        if n == 0:  # nothing to add to the state
+            batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            return v.new_zeros(*batch, 0, v.shape[-1])
+        outputs = [self.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(n)]
         return torch.stack(outputs, dim=-2)  # (..., n, d_v)
 
