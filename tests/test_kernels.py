@@ -127,11 +127,43 @@ def test_bad_inputs_name_the_argument(xy):
         ea.softmax_kernel(x[0, 0], y)
     with pytest.raises(TypeError, match="y must be a torch.Tensor"):
         ea.polynomial_kernel(x, [[1.0, 2.0, 3.0]])
-    with pytest.raises(ValueError, match="degree"):
-        ea.polynomial_features(x, degree=0)
+    with pytest.raises(ValueError, match="degree must be a non-negative int, got -1"):
+        ea.polynomial_features(x, degree=-1)
     with pytest.raises(ValueError, match="c must be"):
         ea.polynomial_features(x, degree=2, c=-1.0)
     with pytest.raises(TypeError, match="degree"):
         ea.polynomial_kernel(x, y, 2.0)
     with pytest.raises(ValueError, match="K must be square"):
         ea.is_positive_semidefinite(torch.ones(2, 3))
+
+
+def test_degree_zero_is_the_constant_kernel_everywhere():
+    """Issue 14: polynomial_feature_dim(d, 0) was accepted but polynomial_features(x, 0)
+    rejected. Degree 0 is (x.y + c)^0 = 1: one feature equal to 1, in all three."""
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    phi = ea.polynomial_features(x, degree=0)
+    assert phi.shape == (2, 5, ea.polynomial_feature_dim(3, 0)) == (2, 5, 1)
+    assert torch.equal(phi, torch.ones_like(phi))
+    torch.testing.assert_close(phi @ phi.transpose(-2, -1), ea.polynomial_kernel(x, x, 0))
+
+
+def test_empty_inputs():
+    """Issue 14: a 0 x 0 matrix is positive semidefinite (nothing to violate); kernels of
+    empty point sets are empty matrices."""
+    assert ea.is_positive_semidefinite(torch.zeros(0, 0))
+    assert ea.is_positive_semidefinite(torch.zeros(0, 3, 3))
+    x, y = torch.randn(0, 4), torch.randn(3, 4)
+    for kernel in (ea.gaussian_kernel, ea.softmax_kernel, ea.polynomial_kernel):
+        assert kernel(x, y).shape == (0, 3) and kernel(y, x).shape == (3, 0)
+    assert ea.polynomial_features(torch.randn(3, 0), degree=2).shape == (3, 1)
+    with pytest.raises(ValueError, match="softmax_kernel needs d >= 1"):
+        ea.softmax_kernel(torch.randn(3, 0), torch.randn(3, 0))
+
+
+def test_complex_and_integer_tensors_are_rejected():
+    """Issue 14: complex tensors passed check_tensor and failed deep inside torch."""
+    x = torch.randn(3, 2)
+    with pytest.raises(TypeError, match="x must be a real floating-point tensor.*complex64"):
+        ea.gaussian_kernel(x.to(torch.complex64), x)
+    with pytest.raises(TypeError, match="K must be a real floating-point tensor.*int64"):
+        ea.is_positive_semidefinite(torch.eye(3, dtype=torch.long))

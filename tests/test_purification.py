@@ -99,7 +99,7 @@ def test_bad_input():
     x = torch.randn(3, 5)
     with pytest.raises(ValueError, match="lam must be a finite number >= 0, got -1.0"):
         ea.optimal_purifier(x, -1.0)
-    with pytest.raises(TypeError, match="lam must be a non-negative number, got str"):
+    with pytest.raises(TypeError, match="lam must be a number >= 0, got str"):
         ea.purification_loss(torch.eye(3), x, "1")
     with pytest.raises(ValueError, match="w must have shape \\(..., m, m\\) with m=3"):
         ea.purification_loss(torch.eye(4), x, 1.0)

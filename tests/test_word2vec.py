@@ -161,3 +161,17 @@ def test_bad_input():
         ea.train_word2vec([], progress=False)
     with pytest.raises(ValueError, match="window must be a positive int, got 0"):
         ea.train_word2vec("a b c", window=0, progress=False)
+
+
+def test_a_corpus_that_gives_no_pair_trains_without_crashing():
+    """Issue 14: an epoch with no (center, context) pair crashed. Two one-word documents
+    give no pair: the model is returned untouched (output vectors still zero)."""
+    model, vocab = ea.train_word2vec([["alpha"], ["alpha"]], dim=4, min_count=1,
+                                     subsample=None, epochs=2, progress=False)
+    assert "alpha" in vocab
+    assert torch.equal(model.output_embeddings.weight, torch.zeros_like(
+        model.output_embeddings.weight))
+    with pytest.raises(ValueError, match="no word seen at least min_count=5"):
+        ea.train_word2vec("a b c", min_count=5, progress=False)
+    with pytest.raises(TypeError, match="progress must be a bool"):
+        ea.train_word2vec("a b c a b c", min_count=1, progress="no")

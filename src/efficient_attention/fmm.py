@@ -23,18 +23,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._checks import (
+    check_bool,
     check_key_padding_mask,
+    check_nonnegative_float,
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
     check_qkv,
+    check_tensor,
+    compute_dtype,
 )
+from ._padding import zero_padded_rows
 from .linearized import elu_feature_map, linear_attention
 
 __all__ = [
@@ -50,29 +56,79 @@ FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 def elu_negative_feature_map(x: torch.Tensor) -> torch.Tensor:
     """``elu(-x) + 1``: a positive feature map, the mirror image of ``elu(x) + 1``.
 
-    Used with :func:`~efficient_attention.linear_attention.elu_feature_map` as a second
+    Used with :func:`~efficient_attention.elu_feature_map` as a second
     far-field kernel in FMMformer. Any shape; cost ``O(size)``.
     """
     return F.elu(-x) + 1.0
 
 
-def _to_rows(x: torch.Tensor, length: int, front: int = 0, back: int = 0) -> torch.Tensor:
-    """``(S, n, e) -> (front + S * length + back, e)``: the sequences end to end, each
-    padded with zeros to ``length`` rows, with ``front`` and ``back`` zero rows around
-    them all. No copy when nothing needs padding."""
+class _Layout(NamedTuple):
+    """Where band blocks sit: ``S`` sequences of ``n`` rows, each stored in ``P`` rows.
+
+    Sequence ``s`` keeps its keys at rows ``s P + w .. s P + w + n - 1`` (zeros around
+    them), so the key window of query block ``b`` -- positions ``b B - w`` to ``b B + B
+    - 1 + right`` -- starts at row ``s P + b B``: every window is a strided view of one
+    array, and no window reaches into the next sequence. ``P = blocks * B`` holds the
+    ``ceil(n / B)`` real blocks and ``ceil((w + right) / B)`` more, whose outputs are
+    dropped.
+    """
+
+    n: int
+    bandwidth: int
+    right: int
+    block: int
+    blocks: int  # P / B, per sequence
+
+    @property
+    def window(self) -> int:
+        return self.block + self.bandwidth + self.right
+
+
+def _layout(n: int, bandwidth: int, right: int, block: int) -> _Layout:
+    blocks = math.ceil(n / block) + math.ceil((bandwidth + right) / block)
+    return _Layout(n, bandwidth, right, block, blocks)
+
+
+def _query_blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``(S, n, e) -> (S * blocks, B, e)``: each sequence zero-padded to ``P`` rows."""
+    rows = layout.blocks * layout.block
+    x = F.pad(x, (0, 0, 0, rows - layout.n))  # (S, P, e)
+    return x.reshape(-1, layout.block, x.shape[-1])
+
+
+def _key_windows(x: torch.Tensor, layout: _Layout, fill: float | bool = 0) -> torch.Tensor:
+    """``(S, n, e) -> (S * blocks, e, W)``: the key window of every query block (a view).
+
+    Rows outside ``[0, n)`` hold ``fill``.
+    """
     num_seq, n, e = x.shape
-    if length > n:
-        x = torch.cat([x, x.new_zeros(num_seq, length - n, e)], dim=1)  # (S, length, e)
-    rows = x.reshape(num_seq * length, e)
-    if front or back:
-        rows = torch.cat([rows.new_zeros(front, e), rows, rows.new_zeros(back, e)])
-    return rows
+    rows = layout.blocks * layout.block
+    front, back = layout.bandwidth, rows - layout.bandwidth - n
+    x = F.pad(x, (0, 0, front, back), value=fill)  # (S, P, e)
+    tail = layout.window - layout.block  # the last sequence's last windows reach past it
+    x = F.pad(x.reshape(num_seq * rows, e), (0, 0, 0, tail), value=fill)
+    return x.unfold(0, layout.window, layout.block)[: num_seq * layout.blocks]
 
 
-def _neg_inf_where(condition: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``-inf`` where ``condition`` holds, else ``0`` (an additive mask)."""
-    zeros = torch.zeros(condition.shape, dtype=dtype, device=condition.device)
-    return zeros.masked_fill(condition, float("-inf"))
+def _band_allowed(layout: _Layout, device: torch.device) -> torch.Tensor:
+    """Bool ``(blocks, B, W)``: query row ``r`` of block ``b`` may see window column ``c``.
+
+    In the band (``r <= c <= r + w + right``, that is ``-w <= j - i <= right``) and
+    a real key (position ``b B - w + c`` in ``[0, n)``).
+    """
+    row = torch.arange(layout.block, device=device).unsqueeze(-1)  # (B, 1)
+    col = torch.arange(layout.window, device=device)  # (W,)
+    in_band = (col >= row) & (col <= row + layout.bandwidth + layout.right)  # (B, W)
+    start = torch.arange(layout.blocks, device=device).view(-1, 1, 1) * layout.block
+    position = start - layout.bandwidth + col  # (blocks, 1, W)
+    return in_band & (position >= 0) & (position < layout.n)  # (blocks, B, W)
+
+
+def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the allowed entries; a row with none allowed gets zeros."""
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
 
 
 def banded_attention(
@@ -102,17 +158,21 @@ def banded_attention(
         bandwidth: ``w >= 0`` (``w = 0``: each query sees only its own key).
         causal: also mask keys ``j > i``.
         key_padding_mask: bool, broadcastable to ``(..., n)``, ``True`` at padding.
+            Padded keys and values take no part, even when they hold NaN or inf.
         block_size: ``B``; ``None`` means ``min(n, max(w // 2, 16))``. Smaller blocks
             waste less work on the masked corners (``B + 2w`` scores per query for
             ``2w + 1`` in the band), larger ones make bigger matrix products.
 
     Returns:
-        ``(..., n, d_v)``. A query with no unmasked key in its band gets zeros.
+        ``(..., n, d_v)`` in the dtype of ``q`` (half inputs are computed in float32).
+        A query with no unmasked key in its band gets zeros; ``n = 0`` gives an empty
+        result. A NaN in ``q`` or in an unpadded key or value gives NaN outputs.
 
     Cost: time ``O(n W (d + d_v))``, memory ``O(n W)`` - linear in ``n`` for a fixed band.
     """
     q, k, v = check_qkv(q, k, v)
     w = check_nonnegative_int(bandwidth, "bandwidth")
+    causal = check_bool(causal, "causal")
     n, d, d_v = q.shape[-2], q.shape[-1], v.shape[-1]
     if k.shape[-2] != n:
         raise ValueError(
@@ -120,74 +180,80 @@ def banded_attention(
             f"got q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)}"
         )
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
-    if block_size is None:
-        block_size = min(n, max(w // 2, 16))
-    block = check_positive_int(block_size, "block_size")
-    right = 0 if causal else w  # keys to the right of a query
-    window = block + w + right  # W: keys seen by one block of queries
-    num_blocks = math.ceil(n / block)  # per sequence
-    length = num_blocks * block  # a sequence padded to whole blocks
-
+    block = min(n, max(w // 2, 16)) if block_size is None else block_size
+    if block_size is not None or n > 0:
+        block = check_positive_int(block, "block_size")
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
         batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+    if n == 0 or math.prod(batch) == 0:
+        return v.new_zeros(*batch, n, d_v)
+    dtype = compute_dtype(q)
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # (..., n, e) -> (S, n, e)
         return x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
 
-    # All S sequences end to end, keys with w zero rows in front and w + right behind:
-    # the window of block b of sequence s then starts at key row (s * num_blocks + b) * B,
-    # so one strided view (unfold) holds every window. Windows at the ends of a sequence
-    # reach into its neighbours or the padding; those keys are masked below.
-    q_blocks = _to_rows(flat(q), length).view(-1, block, d)  # (S nb, B, d)
-    k_windows = _to_rows(flat(k), length, w, right).unfold(0, window, block)  # (S nb, d, W)
-    v_windows = _to_rows(flat(v), length, w, right).unfold(0, window, block)  # (S nb, d_v, W)
-    num_seq = q_blocks.shape[0] // num_blocks
-
-    # Band within a block: query row r sees window column c iff r <= c <= r + w + right.
-    row = torch.arange(block, device=q.device).unsqueeze(-1)  # (B, 1)
-    col = torch.arange(window, device=q.device)  # (W,)
-    in_band = (col >= row) & (col <= row + w + right)  # (B, W)
-    if mask is None:
-        # scores = q k^T / sqrt(d), -inf outside the band, in one batched product.
-        band_bias = _neg_inf_where(~in_band, q.dtype)  # (B, W)
-        scores = torch.baddbmm(band_bias, q_blocks, k_windows, alpha=d**-0.5)  # (S nb, B, W)
-        # Blocks at the ends of a sequence: keys outside [0, n) are masked for real
-        # queries (a padded query, beyond n, keeps them, so that no row is empty).
-        for b in range(num_blocks):
-            first_key = b * block - w
-            if first_key >= 0 and first_key + window <= n:
-                continue
-            key_position = first_key + col  # (W,)
-            outside = (key_position < 0) | (key_position >= n)  # (W,)
-            query_is_real = (b * block + row) < n  # (B, 1)
-            edge = _neg_inf_where(outside & query_is_real, q.dtype)  # (B, W)
-            scores[b::num_blocks].add_(edge)  # block b of every sequence
-        weights = torch.softmax(scores, dim=-1)  # (S nb, B, W)
+    layout = _layout(n, w, 0 if causal else w, block)
+    k, v = zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
+    q_blocks = _query_blocks(flat(q.to(dtype) * d**-0.5), layout)  # (S blocks, B, d)
+    scores = torch.bmm(q_blocks, _key_windows(flat(k), layout))  # (S blocks, B, W)
+    allowed = _band_allowed(layout, q.device)  # (blocks, B, W), the same for every sequence
+    if mask is not None:
+        padded = _key_windows(flat(mask.unsqueeze(-1)), layout, fill=True)  # (S blocks, 1, W)
+        allowed = (allowed.repeat(scores.shape[0] // layout.blocks, 1, 1) & ~padded)
     else:
-        scores = torch.bmm(q_blocks, k_windows).mul_(d**-0.5)  # (S nb, B, W)
-        keep = flat((~mask).unsqueeze(-1).to(q.dtype))  # (S, n, 1)
-        key_kept = _to_rows(keep, length, w, right).unfold(0, window, block) > 0  # (S nb, 1, W)
-        block_start = torch.arange(num_blocks, device=q.device).repeat(num_seq) * block
-        block_start = block_start.view(-1, 1, 1)  # (S nb, 1, 1)
-        key_position = block_start - w + col  # (S nb, 1, W)
-        inside = (key_position >= 0) & (key_position < n)
-        query_is_padding = (block_start + row) >= n  # (S nb, B, 1)
-        allowed = in_band & ((key_kept & inside) | query_is_padding)  # (S nb, B, W)
-        scores = scores.masked_fill_(~allowed, float("-inf"))
-        empty = ~allowed.any(dim=-1, keepdim=True)  # real queries with no key left
-        weights = torch.softmax(scores.masked_fill_(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    out = torch.bmm(weights, v_windows.transpose(-2, -1))  # (S nb, B, d_v)
-    out = out.view(num_seq, length, d_v)[:, :n]  # (S, n, d_v)
-    return out.reshape(*batch, n, d_v)
+        allowed = allowed.repeat(scores.shape[0] // layout.blocks, 1, 1)
+    weights = _masked_softmax(scores, allowed)  # (S blocks, B, W)
+    out = torch.bmm(weights, _key_windows(flat(v), layout).transpose(-2, -1))  # (S blocks, B, d_v)
+    out = out.view(-1, layout.blocks * layout.block, d_v)[:, :n]  # (S, n, d_v)
+    return out.reshape(*batch, n, d_v).to(q.dtype)
 
 
-def _as_weight(value: object, name: str, like: torch.Tensor) -> torch.Tensor:
+def _check_weight(value: object, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A non-negative weight (number or tensor) as a tensor of ``like``'s dtype and device."""
     if isinstance(value, torch.Tensor):
-        return value.to(like.dtype) if value.dtype != like.dtype else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
-    return torch.tensor(float(value), dtype=like.dtype, device=like.device)
+        check_tensor(value, name, min_dim=0)
+        weight = value.to(like.dtype)
+        if bool((weight < 0).any()):
+            raise ValueError(f"{name} must be >= 0 (a blending weight), got {value}")
+        return weight
+    number = check_nonnegative_float(value, name)
+    return torch.tensor(number, dtype=like.dtype, device=like.device)
+
+
+def _far_weights(far_weight: object, count: int, like: torch.Tensor) -> torch.Tensor:
+    """``far_weight`` as a ``(count,)`` tensor: a number or 0-d tensor for one map, else a
+    sequence or 1-D tensor with one weight per feature map."""
+    if isinstance(far_weight, torch.Tensor):
+        far = _check_weight(far_weight, "far_weight", like)
+    elif isinstance(far_weight, Sequence) and not isinstance(far_weight, str):
+        values = [_check_weight(x, f"far_weight[{i}]", like) for i, x in enumerate(far_weight)]
+        far = torch.stack(values) if values else like.new_zeros(0)
+    else:
+        far = _check_weight(far_weight, "far_weight", like)
+    if far.dim() == 0:
+        far = far.reshape(1)
+    if far.dim() != 1 or far.shape[0] != count:
+        raise ValueError(
+            f"far_weight must have one weight per feature map ({count}), got shape "
+            f"{tuple(far.shape)}"
+        )
+    return far
+
+
+def _feature_map_list(feature_maps: object) -> list[FeatureMap]:
+    maps = [feature_maps] if callable(feature_maps) else feature_maps
+    if not isinstance(maps, Sequence) or isinstance(maps, str) or len(maps) == 0:
+        raise TypeError(
+            "feature_maps must be a callable or a non-empty sequence of callables, "
+            f"got {type(feature_maps).__name__}"
+        )
+    for index, feature_map in enumerate(maps):
+        if not callable(feature_map):
+            raise TypeError(
+                f"feature_maps[{index}] must be callable, got {type(feature_map).__name__}"
+            )
+    return list(maps)
 
 
 def fmm_attention(
@@ -212,38 +278,19 @@ def fmm_attention(
         q, k, v: ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)``.
         bandwidth: near-field band ``w >= 0``.
         feature_maps: one feature map or a non-empty sequence of them.
-        near_weight: scalar (number or 0-d tensor).
-        far_weight: one weight per feature map (sequence or 1-D tensor; a scalar is
-            accepted when there is one map).
+        near_weight: a number or 0-d tensor ``>= 0``.
+        far_weight: one weight ``>= 0`` per feature map (a sequence or a 1-D tensor of
+            length ``len(feature_maps)``; a number or 0-d tensor when there is one map).
 
     Returns ``(..., n, d_v)``. Cost: ``O(n w d)`` for the band plus ``O(n d d_v)`` per
     feature map (more if a map enlarges the features); memory ``O(n w + d d_v)``.
     """
     q, k, v = check_qkv(q, k, v)
-    maps = [feature_maps] if callable(feature_maps) else feature_maps
-    if not isinstance(maps, Sequence) or len(maps) == 0:
-        raise TypeError(
-            "feature_maps must be a callable or a non-empty sequence of callables, "
-            f"got {type(feature_maps).__name__}"
-        )
-    for index, feature_map in enumerate(maps):
-        if not callable(feature_map):
-            raise TypeError(
-                f"feature_maps[{index}] must be callable, got {type(feature_map).__name__}"
-            )
-    near = _as_weight(near_weight, "near_weight", q)
+    maps = _feature_map_list(feature_maps)
+    near = _check_weight(near_weight, "near_weight", q)
     if near.dim() != 0:
         raise ValueError(f"near_weight must be a scalar, got shape {tuple(near.shape)}")
-    if isinstance(far_weight, torch.Tensor):
-        far = far_weight.to(q.dtype).reshape(-1) if far_weight.dim() == 0 else far_weight
-    elif isinstance(far_weight, Sequence):
-        far = [_as_weight(value, f"far_weight[{i}]", q) for i, value in enumerate(far_weight)]
-    else:
-        far = [_as_weight(far_weight, "far_weight", q)]
-    if len(far) != len(maps):
-        raise ValueError(
-            f"far_weight must have one weight per feature map ({len(maps)}), got {len(far)}"
-        )
+    far = _far_weights(far_weight, len(maps), q)
     near_field = banded_attention(
         q, k, v, bandwidth, causal=causal, key_padding_mask=key_padding_mask
     )
@@ -254,6 +301,20 @@ def fmm_attention(
         )
         out = out + weight * far_field
     return out
+
+
+class _FunctionFeatureMap(nn.Module):
+    """A plain function as a module, so that every feature map can sit in a ModuleList."""
+
+    def __init__(self, function: FeatureMap) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(x)
+
+    def extra_repr(self) -> str:
+        return getattr(self.function, "__name__", type(self.function).__name__)
 
 
 def _inverse_softplus(value: float) -> float:
@@ -270,11 +331,15 @@ class FMMAttention(nn.Module):
     Args:
         bandwidth: near-field band ``w``.
         feature_maps: far-field maps; ``None`` means ``[elu_feature_map,
-            elu_negative_feature_map]``.
+            elu_negative_feature_map]``. They are registered as submodules
+            (``self.feature_maps`` is an ``nn.ModuleList``; plain functions are wrapped),
+            so a learnable map (an ``nn.Module``) is trained, saved and moved with the
+            module.
         init_near_weight, init_far_weight: initial (positive) weights; every far-field
             map starts at ``init_far_weight``.
 
-    ``forward(q, k, v, causal=False, key_padding_mask=None)`` calls :func:`fmm_attention`.
+    ``forward(q, k, v, *, causal=False, key_padding_mask=None)`` calls
+    :func:`fmm_attention`.
     """
 
     def __init__(
@@ -289,11 +354,10 @@ class FMMAttention(nn.Module):
         self.bandwidth = check_nonnegative_int(bandwidth, "bandwidth")
         if feature_maps is None:
             feature_maps = [elu_feature_map, elu_negative_feature_map]
-        if callable(feature_maps):
-            feature_maps = [feature_maps]
-        if len(feature_maps) == 0 or not all(callable(f) for f in feature_maps):
-            raise TypeError("feature_maps must be a non-empty sequence of callables")
-        self.feature_maps = list(feature_maps)
+        self.feature_maps = nn.ModuleList(
+            f if isinstance(f, nn.Module) else _FunctionFeatureMap(f)
+            for f in _feature_map_list(feature_maps)
+        )
         near = _inverse_softplus(check_positive_float(init_near_weight, "init_near_weight"))
         far = _inverse_softplus(check_positive_float(init_far_weight, "init_far_weight"))
         self.raw_near_weight = nn.Parameter(torch.tensor(near))
@@ -314,6 +378,7 @@ class FMMAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -322,7 +387,7 @@ class FMMAttention(nn.Module):
             k,
             v,
             bandwidth=self.bandwidth,
-            feature_maps=self.feature_maps,
+            feature_maps=list(self.feature_maps),
             near_weight=self.near_weight.to(q.dtype),
             far_weight=self.far_weight.to(q.dtype),
             causal=causal,
@@ -330,5 +395,4 @@ class FMMAttention(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        names = ", ".join(getattr(f, "__name__", type(f).__name__) for f in self.feature_maps)
-        return f"bandwidth={self.bandwidth}, feature_maps=[{names}]"
+        return f"bandwidth={self.bandwidth}"

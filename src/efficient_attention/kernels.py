@@ -18,9 +18,11 @@ import math
 import torch
 
 from ._checks import (
+    HALF_DTYPES,
+    check_nonnegative_float,
     check_nonnegative_int,
     check_positive_float,
-    check_positive_int,
+    check_real,
     check_same_last_dim,
     check_tensor,
 )
@@ -74,9 +76,12 @@ def softmax_kernel(x: torch.Tensor, y: torch.Tensor, scale: float | None = None)
     """
     x, y = _check_pair(x, y)
     if scale is None:
+        if x.shape[-1] == 0:
+            raise ValueError("softmax_kernel needs d >= 1 for its default scale 1/sqrt(d), "
+                             f"got x.shape={tuple(x.shape)}; pass scale explicitly")
         scale = 1.0 / math.sqrt(x.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    else:
+        scale = check_real(scale, "scale")
     return torch.exp(scale * (x @ y.transpose(-2, -1)))
 
 
@@ -86,30 +91,22 @@ def polynomial_kernel(
     r"""Polynomial kernel ``K(x, y) = (x^T y + c)^degree``.
 
     Shapes: x ``(..., n_x, d)``, y ``(..., n_y, d)`` -> ``(..., n_x, n_y)``.
-    It is positive semidefinite for ``c >= 0``.
+    It is positive semidefinite for ``c >= 0``; ``degree = 0`` is the constant kernel 1.
     Cost: time ``O(n_x n_y d)``, memory ``O(n_x n_y)``.
     """
     x, y = _check_pair(x, y)
-    check_positive_int(degree, "degree")
-    c = _check_offset(c)
+    check_nonnegative_int(degree, "degree")
+    c = check_nonnegative_float(c, "c")
     return (x @ y.transpose(-2, -1) + c) ** degree
-
-
-def _check_offset(c: object) -> float:
-    if isinstance(c, bool) or not isinstance(c, (int, float)):
-        raise TypeError(f"c must be a non-negative number, got {type(c).__name__} {c!r}")
-    if not (c >= 0 and math.isfinite(c)):
-        raise ValueError(f"c must be a finite number >= 0, got {c}")
-    return float(c)
 
 
 def polynomial_feature_dim(d: int, degree: int = 2) -> int:
     """Length ``C(d + degree, degree)`` of :func:`polynomial_features` for inputs of size ``d``.
 
     For ``degree=2`` this is ``1 + d + d(d+1)/2``: a constant, ``d`` linear terms,
-    ``d`` squares and ``d(d-1)/2`` cross products.
+    ``d`` squares and ``d(d-1)/2`` cross products; ``degree = 0`` gives 1 (the constant).
     """
-    check_positive_int(d, "d")
+    check_nonnegative_int(d, "d")
     check_nonnegative_int(degree, "degree")
     return math.comb(d + degree, degree)
 
@@ -131,7 +128,7 @@ def polynomial_features(x: torch.Tensor, degree: int = 2, c: float = 1.0) -> tor
 
     Args:
         x: ``(..., n, d)``.
-        degree: the power ``p >= 1``.
+        degree: the power ``p >= 0`` (``p = 0``: the single feature 1).
         c: the offset, ``>= 0``.
 
     Returns:
@@ -142,13 +139,14 @@ def polynomial_features(x: torch.Tensor, degree: int = 2, c: float = 1.0) -> tor
     ``d^p / p!``, which is why the map only pays off for small ``d`` and ``p``.
     """
     x = check_tensor(x, "x", min_dim=1)
-    check_positive_int(degree, "degree")
-    c = _check_offset(c)
+    check_nonnegative_int(degree, "degree")
+    c = check_nonnegative_float(c, "c")
     d = x.shape[-1]
     offset = torch.full((*x.shape[:-1], 1), math.sqrt(c), dtype=x.dtype, device=x.device)
     x_tilde = torch.cat([offset, x], dim=-1)  # (..., n, d + 1)
     index_tuples = list(itertools.combinations_with_replacement(range(d + 1), degree))
-    index = torch.tensor(index_tuples, device=x.device)  # (F, p)
+    index = torch.tensor(index_tuples, dtype=torch.long, device=x.device)
+    index = index.reshape(len(index_tuples), degree)  # (F, p); p = 0: one empty product
     coefficients = [
         math.sqrt(
             math.factorial(degree)
@@ -170,18 +168,19 @@ def is_positive_semidefinite(k: torch.Tensor, tol: float | None = None) -> bool:
     ``n eps |K|`` (Weyl's inequality), so a Gram matrix that is PSD in exact
     arithmetic passes, while a clearly indefinite matrix fails.
 
-    Shapes: ``(..., n, n)``. Cost: time ``O(n^3)`` (one symmetric eigendecomposition).
+    Shapes: ``(..., n, n)``; an empty batch or ``n = 0`` is PSD (there is nothing to
+    violate). Cost: time ``O(n^3)`` (one symmetric eigendecomposition).
     """
     k = check_tensor(k, "K", min_dim=2)
     if k.shape[-1] != k.shape[-2]:
         raise ValueError(f"K must be square (..., n, n), got shape {tuple(k.shape)}")
-    if k.is_complex():
-        raise TypeError(f"K must be real, got dtype {k.dtype}")
     if tol is None:
         tol = 10.0 * k.shape[-1] * torch.finfo(k.dtype).eps
     else:
         tol = check_positive_float(tol, "tol")
-    k64 = k.to(torch.float64) if k.dtype in (torch.float16, torch.bfloat16) else k
+    if k.numel() == 0:
+        return True
+    k64 = k.to(torch.float64) if k.dtype in HALF_DTYPES else k
     scale = max(1.0, float(k64.abs().max())) if k64.numel() else 1.0
     if not torch.allclose(k64, k64.transpose(-2, -1), rtol=0.0, atol=tol * scale):
         return False

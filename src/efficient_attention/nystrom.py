@@ -36,13 +36,16 @@ import torch
 from torch import nn
 
 from ._checks import (
+    check_bool,
     check_generator,
     check_key_padding_mask,
     check_nonnegative_int,
     check_positive_int,
     check_qkv,
     check_tensor,
+    compute_dtype,
 )
+from ._padding import zero_padded_rows
 
 __all__ = ["nystrom_gram", "iterative_pinv", "nystrom_attention", "NystromAttention"]
 
@@ -110,7 +113,8 @@ def iterative_pinv(a: torch.Tensor, iterations: int = 6) -> torch.Tensor:
     space are multiplied by ``13/4`` at every step: stop after a few iterations.
     The norms are taken per matrix.
 
-    Returns ``(..., m, m)``. Cost: ``4 * iterations`` matrix products, time
+    Returns ``(..., m, m)`` in the dtype of ``a`` (half inputs are computed in float32);
+    ``m = 0`` gives the empty matrix. Cost: ``4 * iterations`` matrix products, time
     ``O(iterations * m^3)``, memory ``O(m^2)``; only products, so it runs well on GPUs.
 
     Reference: Xiong et al., AAAI 2021, following Razavi et al., "A new iterative method
@@ -121,6 +125,10 @@ def iterative_pinv(a: torch.Tensor, iterations: int = 6) -> torch.Tensor:
     m = a.shape[-1]
     if a.shape[-2] != m:
         raise ValueError(f"a must be square (..., m, m), got shape {tuple(a.shape)}")
+    if m == 0:
+        return a.transpose(-2, -1).clone()
+    dtype = a.dtype
+    a = a.to(compute_dtype(a))
     abs_a = a.abs()
     norm_1 = abs_a.sum(dim=-2).amax(dim=-1)  # (...): largest column sum
     norm_inf = abs_a.sum(dim=-1).amax(dim=-1)  # (...): largest row sum
@@ -130,7 +138,7 @@ def iterative_pinv(a: torch.Tensor, iterations: int = 6) -> torch.Tensor:
     for _ in range(iterations):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
-    return z
+    return z.to(dtype)
 
 
 def _segment_matrix(
@@ -228,7 +236,11 @@ def nystrom_attention(
             sequence gives, at its kept positions, the output of the unpadded one.
 
     Returns:
-        ``(..., n_q, d_v)``. A query whose keys are all padding gets zeros.
+        ``(..., n_q, d_v)`` in the dtype of ``q`` (half inputs are computed in float32).
+        A query whose keys are all padding gets zeros, as does every query when
+        ``n_k = 0``. Padded keys and values (and, when ``n_q == n_k``, the queries at
+        padded positions, for the landmarks) are replaced by zeros first, so NaN or inf
+        padding cannot leak through the landmark means.
 
     Cost: time ``O(n m (d + d_v) + iterations * m^3)``, memory ``O(n m)``.
     No causal variant: the landmarks mix past and future positions.
@@ -241,6 +253,14 @@ def nystrom_attention(
         check_nonnegative_int(pinv_iterations, "pinv_iterations")
     mask = _compact(check_key_padding_mask(key_padding_mask, k.shape, k.device))
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if mask is not None:
+        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+    if n_q == 0 or n_k == 0 or 0 in batch:  # no query, or no key to attend to: zeros
+        return v.new_zeros(*batch, n_q, v.shape[-1])
+    dtype = compute_dtype(q)
+    out_dtype = q.dtype
+    q, k, v = q.to(dtype), zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
 
     if mask is None and m <= min(n_q, n_k):
         # Fast path: no padding and no empty segment, every landmark valid.
@@ -257,7 +277,9 @@ def nystrom_attention(
             query_keep = torch.ones(n_q, dtype=torch.bool, device=q.device)
         q_means, query_valid = _segment_matrix(query_keep, m, q.dtype)  # (..., m, n_q), (..., m)
         k_land = k_means @ k  # (..., m, d)
-        q_land = q_means @ q  # (..., m, d)
+        # Queries at padded positions have weight 0 in the means; zeros keep NaN out.
+        q_for_landmarks = zero_padded_rows(q, mask) if mask is not None and n_q == n_k else q
+        q_land = q_means @ q_for_landmarks  # (..., m, d)
         land_masked = ~k_valid.unsqueeze(-2)  # (..., 1, m): empty key landmarks
         key_masked = None if mask is None else mask.unsqueeze(-2)  # (..., 1, n_k)
 
@@ -279,14 +301,15 @@ def nystrom_attention(
         inverse = torch.linalg.pinv(kernel_2)  # (..., m, m)
     else:
         inverse = iterative_pinv(kernel_2, pinv_iterations)  # (..., m, m)
-    return kernel_1 @ (inverse @ (kernel_3 @ v))  # (..., n_q, d_v)
+    return (kernel_1 @ (inverse @ (kernel_3 @ v))).to(out_dtype)  # (..., n_q, d_v)
 
 
 class NystromAttention(nn.Module):
     """Module form of :func:`nystrom_attention` for ``MultiHeadAttention(attention=...)``.
 
-    ``forward(q, k, v, key_padding_mask=None, causal=False)``; ``causal=True`` raises
-    ``ValueError`` since the segment-mean landmarks mix past and future positions.
+    ``forward(q, k, v, *, causal=False, key_padding_mask=None)``, the signature of the
+    other attention modules; ``causal=True`` raises ``ValueError`` since the
+    segment-mean landmarks mix past and future positions.
     """
 
     def __init__(self, num_landmarks: int, pinv_iterations: int | None = 6) -> None:
@@ -301,10 +324,11 @@ class NystromAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
+        *,
         causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if causal:
+        if check_bool(causal, "causal"):
             raise ValueError(
                 "causal=True is not supported by NystromAttention: its segment-mean "
                 "landmarks mix past and future positions; use softmax, linear, performer "

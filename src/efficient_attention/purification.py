@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_positive_int, check_tensor
+from ._checks import check_fraction, check_nonnegative_float, check_positive_int, check_tensor
 
 __all__ = [
     "purification_loss",
@@ -37,21 +37,7 @@ __all__ = [
 
 
 def _check_lam(lam: object) -> float:
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)):
-        raise TypeError(f"lam must be a non-negative number, got {type(lam).__name__} {lam!r}")
-    lam = float(lam)
-    if not (0.0 <= lam < float("inf")):
-        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
-    return lam
-
-
-def _check_fraction(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number in (0, 1), got {type(value).__name__}")
-    value = float(value)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value}")
-    return value
+    return check_nonnegative_float(lam, "lam")
 
 
 def purification_loss(w: torch.Tensor, x: torch.Tensor, lam: float) -> torch.Tensor:
@@ -135,8 +121,8 @@ def lambda_interval(
         raise ValueError(
             f"keep must be smaller than the number of singular values {s.shape[0]}, got {keep}"
         )
-    keep_threshold = _check_fraction(keep_threshold, "keep_threshold")
-    suppress_threshold = _check_fraction(suppress_threshold, "suppress_threshold")
+    keep_threshold = check_fraction(keep_threshold, "keep_threshold")
+    suppress_threshold = check_fraction(suppress_threshold, "suppress_threshold")
     ordered = torch.sort(s.abs(), descending=True).values
     smallest_kept = float(ordered[keep - 1])
     largest_suppressed = float(ordered[keep])

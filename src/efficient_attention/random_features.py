@@ -24,7 +24,14 @@ import math
 
 import torch
 
-from ._checks import check_generator, check_positive_int, check_tensor
+from ._checks import (
+    HALF_DTYPES,
+    check_bool,
+    check_generator,
+    check_positive_int,
+    check_tensor,
+    compute_dtype,
+)
 
 __all__ = [
     "gaussian_random_matrix",
@@ -33,9 +40,6 @@ __all__ = [
     "positive_softmax_features",
     "hyperbolic_softmax_features",
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
-
 
 def gaussian_random_matrix(
     m: int,
@@ -77,14 +81,13 @@ def gaussian_random_matrix(
     check_positive_int(m, "m")
     check_positive_int(d, "d")
     generator = check_generator(generator)
-    if not isinstance(orthogonal, bool):
-        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    check_bool(orthogonal, "orthogonal")
     dtype = torch.get_default_dtype() if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if device is None:
         device = generator.device if generator is not None else torch.device("cpu")
-    draw_dtype = torch.float32 if dtype in _HALF else dtype
+    draw_dtype = torch.float32 if dtype in HALF_DTYPES else dtype
     kwargs = dict(generator=generator, dtype=draw_dtype, device=device)
     if not orthogonal:
         return torch.randn(m, d, **kwargs).to(dtype)
@@ -102,8 +105,8 @@ def gaussian_random_matrix(
 def _check_x_w(x: object, w: object) -> tuple[torch.Tensor, torch.Tensor]:
     x = check_tensor(x, "x", min_dim=1)
     w = check_tensor(w, "w", min_dim=2)
-    if w.dim() != 2:
-        raise ValueError(f"w must be a matrix (m, d), got shape {tuple(w.shape)}")
+    if w.dim() != 2 or w.shape[0] == 0:
+        raise ValueError(f"w must be a matrix (m, d) with m >= 1 rows, got shape {tuple(w.shape)}")
     if w.shape[-1] != x.shape[-1]:
         raise ValueError(
             f"w must have as many columns as x has features, got w.shape={tuple(w.shape)} "
@@ -114,15 +117,9 @@ def _check_x_w(x: object, w: object) -> tuple[torch.Tensor, torch.Tensor]:
     return x, w
 
 
-def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """float32 for half inputs, else the promoted dtype of ``x`` and ``w``."""
-    dtype = torch.promote_types(x.dtype, w.dtype)
-    return torch.float32 if dtype in _HALF else dtype
-
-
 def _projection(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x w^T`` ``(..., n, m)`` and ``|x|^2 / 2`` ``(..., n, 1)``, in the compute dtype."""
-    dtype = _compute_dtype(x, w)
+    dtype = compute_dtype(x, w)
     x, w = x.to(dtype), w.to(dtype)
     return x @ w.transpose(-2, -1), 0.5 * (x * x).sum(-1, keepdim=True)
 

@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_generator, check_positive_int
+from ._checks import (
+    check_bool,
+    check_generator,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+)
 
 __all__ = [
     "tokenize",
@@ -220,8 +226,8 @@ def _skipgram_pairs(
     neighbours more than far ones.
     """
     span = torch.randint(1, window + 1, ids.shape, generator=generator)  # (T,)
-    centers, contexts = [], []
-    for offset in range(1, window + 1):
+    centers, contexts = [ids[:0]], [ids[:0]]
+    for offset in range(1, min(window, len(ids) - 1) + 1):  # offsets within the corpus
         for sign in (1, -1):
             shift = sign * offset
             left = slice(max(0, -shift), len(ids) - max(0, shift))
@@ -262,6 +268,10 @@ def train_word2vec(
         seed: seeds every draw (subsampling, windows, negatives, order, init).
         progress: show a tqdm progress bar.
 
+    An epoch that yields no (center, context) pair (a corpus of a few words, thinned by
+    subsampling) makes no update; a corpus with no word kept in the vocabulary raises
+    ``ValueError``.
+
     Cost per epoch: ``O(P (K + 1) dim)`` for ``P ~ 2 * window * T`` pairs of a corpus of
     ``T`` tokens (fewer after subsampling).
     """
@@ -271,8 +281,11 @@ def train_word2vec(
         check_positive_int(value, name)
     check_positive_int(epochs, "epochs")
     check_positive_int(batch_size, "batch_size")
-    if subsample is not None and not (isinstance(subsample, (int, float)) and subsample > 0):
-        raise ValueError(f"subsample must be a positive number or None, got {subsample!r}")
+    check_positive_float(lr, "lr")
+    check_nonnegative_int(seed, "seed")
+    check_bool(progress, "progress")
+    if subsample is not None:
+        check_positive_float(subsample, "subsample")
     documents = _as_documents(corpus)
     vocab = Vocabulary(
         (token for document in documents for token in document),
@@ -295,6 +308,11 @@ def train_word2vec(
         keep_probability = (ratio.sqrt() + ratio).clamp(max=1.0).to(torch.float32)
     noise = torch.tensor(vocab.counts, dtype=torch.float64) ** 0.75
     noise[unknown] = 0.0
+    if not bool((noise > 0).any()):
+        raise ValueError(
+            f"corpus has no word seen at least min_count={min_count} times: nothing to "
+            "train on (lower min_count or give a longer corpus)"
+        )
 
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     bar = tqdm(total=epochs, desc="word2vec", disable=not progress)
@@ -305,6 +323,10 @@ def train_word2vec(
         else:
             epoch_ids, epoch_doc = ids, doc
         centers, contexts = _skipgram_pairs(epoch_ids, epoch_doc, window, generator)
+        if len(centers) == 0:  # a tiny corpus (after subsampling) can give no pair at all
+            bar.update(1)
+            bar.set_postfix(loss="n/a", pairs=0)
+            continue
         order = torch.randperm(len(centers), generator=generator)
         centers, contexts = centers[order], contexts[order]
         noise_words = torch.multinomial(
