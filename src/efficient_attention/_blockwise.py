@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import check_positive_int
-from ._padding import zero_padded_rows
+from ._padding import zero_padded_rows, zeros_like_result
 
 
 def default_chunk_size(num_features: int, d_v: int) -> int:
@@ -178,8 +178,8 @@ def blockwise_attention(
     features, ``O(n m)``, and one ``m x d_v`` state per block or chunk).
     """
     n_q, n_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
-    if n_k == 0 or n_q == 0:  # no keys: zeros, as for fully padded rows; no queries: empty
-        return v.new_zeros(q.shape[0], n_q, d_v)
+    if n_k == 0 or n_q == 0 or q.shape[0] == 0:  # no keys: zeros (as fully padded rows)
+        return zeros_like_result((q.shape[0], n_q, d_v), q, k, v)
     outputs = []
     state: torch.Tensor | None = None  # (B, m, d_v + 1)
 

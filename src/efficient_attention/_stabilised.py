@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from ._blockwise import default_chunk_size, divide, values_with_ones
+from ._padding import zeros_like_result
 
 # (log-magnitude (B, b, m) or (B, b, 1) or None for 0, signed part (B, b, m) or None for 1)
 LogFeatures = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -206,8 +207,8 @@ def stabilised_attention(
     features ``O(n m)`` and, when causal, one ``m x (d_v + 1)`` state per chunk.
     """
     n_q, n_k, d_v = q.shape[1], k.shape[1], v.shape[2]
-    if n_q == 0 or n_k == 0:
-        return v.new_zeros(q.shape[0], n_q, d_v)
+    if n_q == 0 or n_k == 0 or q.shape[0] == 0:  # empty, or zeros for queries with no key
+        return zeros_like_result((q.shape[0], n_q, d_v), q, k, v)
     if not causal:
         return _bidirectional(q, k, v, query_features, key_features, mask, block_size)
     outputs, carried = [], None

@@ -40,7 +40,7 @@ from ._checks import (
     check_tensor,
     compute_dtype,
 )
-from ._padding import zero_padded_rows
+from ._padding import zero_padded_rows, zeros_like_result
 from .linearized import elu_feature_map, linear_attention
 
 __all__ = [
@@ -93,7 +93,7 @@ def _query_blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """``(S, n, e) -> (S * blocks, B, e)``: each sequence zero-padded to ``P`` rows."""
     rows = layout.blocks * layout.block
     x = F.pad(x, (0, 0, 0, rows - layout.n))  # (S, P, e)
-    return x.reshape(-1, layout.block, x.shape[-1])
+    return x.reshape(x.shape[0] * layout.blocks, layout.block, x.shape[-1])
 
 
 def _key_windows(x: torch.Tensor, layout: _Layout, fill: float | bool = 0) -> torch.Tensor:
@@ -187,11 +187,11 @@ def banded_attention(
     if mask is not None:
         batch = torch.broadcast_shapes(batch, mask.shape[:-1])
     if n == 0 or math.prod(batch) == 0:
-        return v.new_zeros(*batch, n, d_v)
+        return zeros_like_result((*batch, n, d_v), q, k, v)
     dtype = compute_dtype(q)
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # (..., n, e) -> (S, n, e)
-        return x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+        return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
 
     layout = _layout(n, w, 0 if causal else w, block)
     k, v = zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
@@ -205,7 +205,7 @@ def banded_attention(
         allowed = allowed.repeat(scores.shape[0] // layout.blocks, 1, 1)
     weights = _masked_softmax(scores, allowed)  # (S blocks, B, W)
     out = torch.bmm(weights, _key_windows(flat(v), layout).transpose(-2, -1))  # (S blocks, B, d_v)
-    out = out.view(-1, layout.blocks * layout.block, d_v)[:, :n]  # (S, n, d_v)
+    out = out.view(math.prod(batch), layout.blocks * layout.block, d_v)[:, :n]  # (S, n, d_v)
     return out.reshape(*batch, n, d_v).to(q.dtype)
 
 

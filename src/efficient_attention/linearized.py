@@ -42,7 +42,7 @@ from ._checks import (
     check_tensor,
     compute_dtype,
 )
-from ._padding import zero_padded_rows
+from ._padding import zero_padded_rows, zeros_like_result
 
 __all__ = [
     "elu_feature_map",
@@ -257,7 +257,7 @@ class RecurrentLinearAttention(nn.Module):
         n = q.shape[-2]
         if n == 0:  # nothing to add to the state
             batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-            return v.new_zeros(*batch, 0, v.shape[-1])
+            return zeros_like_result((*batch, 0, v.shape[-1]), q, k, v)
         outputs = [self.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(n)]
         return torch.stack(outputs, dim=-2)  # (..., n, d_v)
 

@@ -45,7 +45,7 @@ from ._checks import (
     check_tensor,
     compute_dtype,
 )
-from ._padding import zero_padded_rows
+from ._padding import zero_padded_rows, zeros_like_result
 
 __all__ = ["nystrom_gram", "iterative_pinv", "nystrom_attention", "NystromAttention"]
 
@@ -257,7 +257,7 @@ def nystrom_attention(
     if mask is not None:
         batch = torch.broadcast_shapes(batch, mask.shape[:-1])
     if n_q == 0 or n_k == 0 or 0 in batch:  # no query, or no key to attend to: zeros
-        return v.new_zeros(*batch, n_q, v.shape[-1])
+        return zeros_like_result((*batch, n_q, v.shape[-1]), q, k, v)
     dtype = compute_dtype(q)
     out_dtype = q.dtype
     q, k, v = q.to(dtype), zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
