@@ -99,36 +99,43 @@ def _query_blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
 def _key_windows(x: torch.Tensor, layout: _Layout, fill: float | bool = 0) -> torch.Tensor:
     """``(S, n, e) -> (S * blocks, e, W)``: the key window of every query block (a view).
 
-    Rows outside ``[0, n)`` hold ``fill``.
+    Rows outside ``[0, n)`` hold ``fill``. One allocation: the keys are copied once into
+    the padded layout (plus the ``W - B`` rows that the last windows reach past it).
     """
     num_seq, n, e = x.shape
     rows = layout.blocks * layout.block
-    front, back = layout.bandwidth, rows - layout.bandwidth - n
-    x = F.pad(x, (0, 0, front, back), value=fill)  # (S, P, e)
-    tail = layout.window - layout.block  # the last sequence's last windows reach past it
-    x = F.pad(x.reshape(num_seq * rows, e), (0, 0, 0, tail), value=fill)
-    return x.unfold(0, layout.window, layout.block)[: num_seq * layout.blocks]
+    tail = layout.window - layout.block
+    padded = x.new_full((num_seq * rows + tail, e), fill)
+    start = layout.bandwidth
+    padded[: num_seq * rows].view(num_seq, rows, e)[:, start : start + n] = x
+    return padded.unfold(0, layout.window, layout.block)[: num_seq * layout.blocks]
 
 
-def _band_allowed(layout: _Layout, device: torch.device) -> torch.Tensor:
-    """Bool ``(blocks, B, W)``: query row ``r`` of block ``b`` may see window column ``c``.
+def _band_disallowed(layout: _Layout, device: torch.device) -> torch.Tensor:
+    """Bool ``(blocks, B, W)``: ``True`` where query row ``r`` of block ``b`` may NOT see
+    window column ``c``.
 
-    In the band (``r <= c <= r + w + right``, that is ``-w <= j - i <= right``) and
-    a real key (position ``b B - w + c`` in ``[0, n)``).
+    Allowed means in the band (``r <= c <= r + w + right``, that is ``-w <= j - i <=
+    right``) and a real key (position ``b B - w + c`` in ``[0, n)``).
     """
     row = torch.arange(layout.block, device=device).unsqueeze(-1)  # (B, 1)
     col = torch.arange(layout.window, device=device)  # (W,)
-    in_band = (col >= row) & (col <= row + layout.bandwidth + layout.right)  # (B, W)
+    outside_band = (col < row) | (col > row + layout.bandwidth + layout.right)  # (B, W)
     start = torch.arange(layout.blocks, device=device).view(-1, 1, 1) * layout.block
     position = start - layout.bandwidth + col  # (blocks, 1, W)
-    return in_band & (position >= 0) & (position < layout.n)  # (blocks, B, W)
+    return outside_band | (position < 0) | (position >= layout.n)  # (blocks, B, W)
 
 
-def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the allowed entries; a row with none allowed gets zeros."""
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    return torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+def _masked_softmax_(scores: torch.Tensor, disallowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the allowed entries of the fresh ``scores`` (overwritten); a row with
+    none allowed gets zeros. ``disallowed`` broadcasts against ``scores``."""
+    empty = disallowed.all(dim=-1, keepdim=True)
+    scores.masked_fill_(disallowed, float("-inf")).masked_fill_(empty, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    # Softmax's backward needs its output: in place only when nothing will differentiate.
+    if weights.requires_grad:
+        return weights.masked_fill(empty, 0.0)
+    return weights.masked_fill_(empty, 0.0)
 
 
 def banded_attention(
@@ -194,18 +201,19 @@ def banded_attention(
         return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
 
     layout = _layout(n, w, 0 if causal else w, block)
+    num_seq = math.prod(batch)
     k, v = zero_padded_rows(k, mask).to(dtype), zero_padded_rows(v, mask).to(dtype)
-    q_blocks = _query_blocks(flat(q.to(dtype) * d**-0.5), layout)  # (S blocks, B, d)
+    # Scale q before the product (scores at their final size); in place on the new blocks.
+    q_blocks = _query_blocks(flat(q.to(dtype)), layout).mul_(d**-0.5)  # (S blocks, B, d)
     scores = torch.bmm(q_blocks, _key_windows(flat(k), layout))  # (S blocks, B, W)
-    allowed = _band_allowed(layout, q.device)  # (blocks, B, W), the same for every sequence
+    scores = scores.view(num_seq, layout.blocks, layout.block, layout.window)
+    disallowed = _band_disallowed(layout, q.device)  # (blocks, B, W), for every sequence
     if mask is not None:
         padded = _key_windows(flat(mask.unsqueeze(-1)), layout, fill=True)  # (S blocks, 1, W)
-        allowed = (allowed.repeat(scores.shape[0] // layout.blocks, 1, 1) & ~padded)
-    else:
-        allowed = allowed.repeat(scores.shape[0] // layout.blocks, 1, 1)
-    weights = _masked_softmax(scores, allowed)  # (S blocks, B, W)
+        disallowed = disallowed | padded.view(num_seq, layout.blocks, 1, layout.window)
+    weights = _masked_softmax_(scores, disallowed).flatten(0, 1)  # (S blocks, B, W)
     out = torch.bmm(weights, _key_windows(flat(v), layout).transpose(-2, -1))  # (S blocks, B, d_v)
-    out = out.view(math.prod(batch), layout.blocks * layout.block, d_v)[:, :n]  # (S, n, d_v)
+    out = out.view(num_seq, layout.blocks * layout.block, d_v)[:, :n]  # (S, n, d_v)
     return out.reshape(*batch, n, d_v).to(q.dtype)
 
 

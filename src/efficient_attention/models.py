@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_generator, check_positive_int
+from ._checks import check_bool, check_generator, check_positive_int
 from .attention import MultiHeadAttention, softmax_attention
 from .embeddings import sinusoidal_positional_encoding
 from .fmm import FMMAttention
@@ -87,6 +87,7 @@ def make_attention(
     """
     if name not in ATTENTION_KINDS:
         raise ValueError(f"name must be one of {ATTENTION_KINDS}, got {name!r}")
+    check_bool(causal, "causal")
     check_positive_int(dim_head, "dim_head")
     unknown = set(options) - set(_DEFAULTS[name])
     if unknown:
@@ -189,7 +190,7 @@ class TinyTransformer(nn.Module):
                 f"num_heads must divide d_model, got d_model={d_model} and num_heads={num_heads}"
             )
         self.attention_kind = attention
-        self.causal = bool(causal)
+        self.causal = check_bool(causal, "causal")
         dim_head = d_model // num_heads
         options = dict(attention_options or {})
         self.token_embedding = nn.Embedding(vocab_size, d_model)

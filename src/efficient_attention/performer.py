@@ -7,14 +7,27 @@ Softmax attention ``softmax(q k^T / sqrt(d)) v`` weighs key ``j`` by
     out = D^-1 phi(Q~) (phi(K~)^T V),   D = diag(phi(Q~) phi(K~)^T 1).
 
 Stabilisation. The features contain exponentials that overflow or underflow for
-large inputs. :func:`favor_attention` therefore works with their logarithms and
-subtracts, for every feature ``l``, the largest key log-feature ``c_l`` among the keys
-a query may see (never a future key when causal), and, for every query, the log of its
-largest term; both are constants that cancel between numerator and denominator, so
-the output is that of the unstabilised estimator, for any ``block_size`` and
-``chunk_size``, while every feature lies in ``[0, 1]`` (or ``[-1, 1]`` for trig) and
-the largest term of each row is 1 (no 0 / 0 for a query with a key). The details and
-the proof are in the docstring of the private module ``_stabilised``.
+large inputs. Write the weight of key ``j`` for query ``i`` as
+``W_ij = sum_l exp(a_il + b_jl)`` (positive features: ``a_il = w_l^T q~_i``,
+``b_jl = w_l^T k~_j - |k~_j|^2 / 2``; the row constants of the queries are dropped).
+:func:`favor_attention` computes, in the log domain,
+
+    phi_k(k_j)_l = exp(b_jl - c_l),          c_l = max_j b_jl over the keys in view,
+    phi_q(q_i)_l = exp(a_il + c_l - M_i),    M_i = max_l (a_il + c_l),
+
+so that ``phi_q(q_i)^T phi_k(k_j) = exp(-M_i) W_ij``: one factor per query, which cancels
+between numerator and denominator. Every feature lies in ``[0, 1]`` and the largest
+term of each row is exactly 1, so a query with an unmasked key never gets 0 / 0,
+whatever the norms. "In view" means the unpadded keys, and when causal only keys
+``j <= i``: ``c_l`` is then a running maximum, and the running sums of key features
+are rescaled feature by feature, ``S_l <- exp(c_l^old - c_l^new) S_l``, whenever it
+grows (as in online softmax). These are identities, so the result does not depend on
+``block_size`` or ``chunk_size`` beyond rounding. Within a causal chunk the query
+factor uses the maximum at the chunk's end, which later keys of the chunk may raise;
+where that would push a factor above ``e^30``, the chunks of that block are halved
+(down to one row, where the bound is 1). A key constant that depended on ``j`` would
+reweigh the keys; one that included keys a query may not see (future keys) could
+flush every term of that query to 0 -- both are avoided.
 
 Reference: Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
 """
@@ -220,8 +233,7 @@ class FavorAttention(nn.Module):
         if seed is not None:
             if generator is not None:
                 raise ValueError("give at most one of generator and seed, got both")
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+            check_nonnegative_int(seed, "seed")
             generator = torch.Generator().manual_seed(seed)
         self.generator = generator
         self.calls_since_redraw = 0
