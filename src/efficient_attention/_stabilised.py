@@ -70,9 +70,16 @@ _FLOOR = -1e30  # constant of a feature no key has reached yet: exp(-inf - _FLOO
 _SAFE_EXPONENT = 30.0  # largest in-chunk query exponent allowed before chunks are halved
 
 
-def _features(log: torch.Tensor, signed: torch.Tensor | None) -> torch.Tensor:
-    """``signed * exp(log)`` (``exp(log)`` when there is no signed part)."""
-    return log.exp() if signed is None else signed * log.exp()
+def _features_(log: torch.Tensor, signed: torch.Tensor | None) -> torch.Tensor:
+    """``signed * exp(log)`` (``exp(log)`` when there is no signed part); ``log`` must be
+    a fresh tensor: it is overwritten (in place, so one block of features costs one
+    buffer)."""
+    return log.exp_() if signed is None else signed * log.exp_()
+
+
+def _without_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` with the rows where ``rows (B, b, 1)`` holds set to ``-inf`` (feature 0)."""
+    return x.masked_fill_(rows, float("-inf")) if bool(rows.any()) else x
 
 
 def _plus(log: torch.Tensor | None, constant: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,7 @@ def _bidirectional(q, k, v, query_features, key_features, mask, block_size):
         log, signed = _key_logs(key_features, k[:, start : start + block_size], mask_b)
         top = log.detach().amax(dim=-2, keepdim=True)  # (B, 1, w)
         new = top.clamp_min(_FLOOR) if constant is None else torch.maximum(constant, top)
-        phi_k = _features(log - new, signed)  # (B, b, m), entries <= 1
+        phi_k = _features_(log.sub_(new), signed)  # (B, b, m), entries <= 1
         values = values_with_ones(v[:, start : start + block_size], mask_b)
         contribution = phi_k.transpose(-2, -1) @ values  # (B, m, d_v + 1)
         if state is None:
@@ -109,10 +116,10 @@ def _bidirectional(q, k, v, query_features, key_features, mask, block_size):
     outputs = []
     for start in range(0, q.shape[1], block_size):
         log, signed = query_features(q[:, start : start + block_size])
-        shifted = _plus(log, constant)  # (B, b, w): a_il + c_l
+        shifted = constant.clone() if log is None else log.add_(constant)  # (B, b, w)
         top = shifted.detach().amax(dim=-1, keepdim=True)  # (B, b, 1): M_i
-        exponent = (shifted - top).masked_fill(_no_key_yet(constant), float("-inf"))
-        both = _features(exponent, signed) @ state  # (B, b, d_v + 1)
+        exponent = _without_rows(shifted.sub_(top), _no_key_yet(constant))
+        both = _features_(exponent, signed) @ state  # (B, b, d_v + 1)
         outputs.append(divide(both[..., :-1], both[..., -1:], 0.0))
     return torch.cat(outputs, dim=1)
 
@@ -151,13 +158,14 @@ def _causal_block(log_a, signed_q, log_b, signed_k, values, carried, chunk):
         ends = (torch.arange(1, chunks + 1, device=log_b.device) * size).clamp_max(rows) - 1
         through = running[:, ends]  # (B, chunks, w): r_l of each chunk
         r_rows = through.repeat_interleave(size, dim=1)[:, :rows]  # (B, b, w)
-        q_inner = (_plus(log_a, r_rows) - top).masked_fill(no_key, float("-inf"))
+        q_inner = _plus(log_a, r_rows) - top
         if size == 1 or not bool(q_inner.detach().amax() > _SAFE_EXPONENT):
             break
         size = max(1, size // 2)
+    q_inner = _without_rows(q_inner, no_key)
     before = torch.cat([previous, through[:, :-1]], dim=1)  # (B, chunks, w): p_l
     p_rows = before.repeat_interleave(size, dim=1)[:, :rows]
-    q_state = (_plus(log_a, p_rows) - top).masked_fill(no_key, float("-inf"))  # <= 0
+    q_state = _without_rows(_plus(log_a, p_rows) - top, no_key)  # <= 0
     k_inner = log_b - r_rows  # <= 0; -inf for padded keys
     pad = chunks * size - rows  # rows to whole chunks: features 0, outputs dropped
     q_inner, q_state, k_inner = (_pad_rows(t, pad, float("-inf")) for t in
@@ -168,10 +176,10 @@ def _causal_block(log_a, signed_q, log_b, signed_k, values, carried, chunk):
     def split(x: torch.Tensor) -> torch.Tensor:  # (B, chunks * C, x) -> (B, chunks, C, x)
         return x.reshape(batch, chunks, size, x.shape[-1])
 
-    phi_k = split(_features(k_inner, signed_k))  # (B, chunks, C, m), entries <= 1
+    phi_k = split(_features_(k_inner, signed_k))  # (B, chunks, C, m), entries <= 1
     values_c = split(values)  # (B, chunks, C, e)
     future = torch.ones(size, size, dtype=torch.bool, device=log_b.device).triu(diagonal=1)
-    scores = split(_features(q_inner, signed_q)) @ phi_k.transpose(-2, -1)  # (B, chunks, C, C)
+    scores = split(_features_(q_inner, signed_q)) @ phi_k.transpose(-2, -1)  # (B, chunks, C, C)
     inner = scores.masked_fill(future, 0.0) @ values_c  # (B, chunks, C, e)
     # Prefix states P before each chunk, rescaled feature by feature as the maximum grows.
     sums = phi_k.transpose(-2, -1) @ values_c  # (B, chunks, m, e), relative to r
@@ -180,7 +188,7 @@ def _causal_block(log_a, signed_q, log_b, signed_k, values, carried, chunk):
     for c in range(chunks):
         prefixes.append(state)
         state = state * decay[:, c] + sums[:, c]
-    out = split(_features(q_state, signed_q)) @ torch.stack(prefixes, dim=1) + inner
+    out = split(_features_(q_state, signed_q)) @ torch.stack(prefixes, dim=1) + inner
     return out.reshape(batch, chunks * size, e)[:, :rows], (through[:, -1:], state)
 
 
