@@ -14,6 +14,7 @@ from .fmm import *  # noqa: F403
 from .kernels import *  # noqa: F403
 from .linear_attention import *  # noqa: F403
 from .lowrank import *  # noqa: F403
+from .memory import *  # noqa: F403
 from .models import *  # noqa: F403
 from .nystrom import *  # noqa: F403
 from .performer import *  # noqa: F403
@@ -29,6 +30,7 @@ _MODULES = (
     "kernels",
     "linear_attention",
     "lowrank",
+    "memory",
     "models",
     "nystrom",
     "performer",
