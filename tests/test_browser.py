@@ -319,7 +319,7 @@ PAGE_CHECKS_JS = r"""
   // 3. Cells whose output is a figure keep their code folded.
   const cells = [...document.querySelectorAll("div.cell")];
   cells.forEach((cell, index) => {
-    if (!cell.querySelector(".cell_output img, .cell_output svg")) return;
+    if (!cell.querySelector(".cell_output img")) return;  // copy buttons carry svg icons
     const input = cell.querySelector(".cell_input");
     if (!input) return;
     const folded = cell.classList.contains("tag_hide-input") &&
@@ -335,12 +335,15 @@ PAGE_CHECKS_JS = r"""
 """
 
 
-def _wait_for_math(page) -> None:
-    """Wait until MathJax has typeset every math element Sphinx wrote."""
+def _wait_for_math(page, timeout_ms: int = 4 * TIMEOUT_MS) -> None:
+    """Wait until MathJax has typeset every math element Sphinx wrote (generous: a busy machine
+    typesets a long chapter slowly, and the checks below need only the DOM, not the images)."""
     num_math = page.locator(".math").count()
     if num_math:
         page.wait_for_function(
-            "n => document.querySelectorAll('mjx-container').length >= n", arg=num_math
+            "n => document.querySelectorAll('mjx-container').length >= n",
+            arg=num_math,
+            timeout=timeout_ms,
         )
         page.evaluate(
             "async () => { if (window.MathJax && MathJax.startup && MathJax.startup.promise) "
@@ -352,8 +355,7 @@ def _wait_for_math(page) -> None:
 def test_page_reads_cleanly(visit, entry):
     """No raw LaTeX, no warning or traceback in outputs, figure code folded (see the docstring)."""
     path = _html_path(entry)
-    v = visit(path)
-    v.page.wait_for_load_state("networkidle")
+    v = visit(path)  # returns after the load event: the DOM and the deferred scripts are there
     _wait_for_math(v.page)
     problems = v.page.evaluate(PAGE_CHECKS_JS)
     assert not problems, f"{path}: {len(problems)} problem(s):\n" + "\n".join(problems[:20])
