@@ -122,3 +122,16 @@ def test_keyword_arguments_are_passed():
 def test_not_callable_is_rejected():
     with pytest.raises(TypeError, match="fn must be callable"):
         ea.peak_tensor_memory(torch.ones(3))
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_are_counted_like_cpu_ones():
+    device = torch.device("cuda")
+    q, k, v = torch.randn(3, 1, 1, 256, 16, device=device).unbind(0)
+    with ea.TensorMemoryTracker() as tracker:
+        ea.softmax_attention(q, k, v)
+    assert tracker.largest >= FLOAT32 * 256 * 256  # the weights, on the GPU
+    with ea.TensorMemoryTracker() as tracker:
+        x = torch.empty(1000, device=device)
+    assert tracker.peak == FLOAT32 * 1000
+    del x
