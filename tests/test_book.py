@@ -191,3 +191,40 @@ def test_citation_pattern_finds_every_role_form():
     text = "{cite}`a` and {cite:p}`b,c` and {cite:t}`d` and {cite:ps}`e, f`"
     found = [key.strip() for group in CITE.findall(text) for key in group.split(",")]
     assert found == ["a", "b", "c", "d", "e", "f"]
+
+
+# A code cell that draws a figure: it creates or shows a matplotlib figure.
+DRAWS_FIGURE = re.compile(r"\bplt\.(subplots|figure|show|imshow|matshow|hist|plot)\b")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_rel)
+def test_figure_cells_fold_their_code(path):
+    # The stored-notebook side of the browser check (tests/test_browser.py, rule 3): a cell that
+    # draws a figure carries the tag hide-input, so the page shows the figure and folds the code.
+    unfolded = []
+    for index, cell in enumerate(_load(path)["cells"]):
+        if cell["cell_type"] != "code" or not DRAWS_FIGURE.search(_source(cell)):
+            continue
+        if "hide-input" not in cell.get("metadata", {}).get("tags", []):
+            unfolded.append(f"cell {index} ({cell.get('id')})")
+    assert not unfolded, (
+        f"{_rel(path)}: these cells draw a figure but are not tagged hide-input "
+        f"(move teaching code into a visible cell before the figure): {unfolded}"
+    )
+
+
+def test_bibliography_titles_have_no_tex_math():
+    # pybtex prints maths in a BibTeX field verbatim ("$O(N \log N)$" on the page): write titles
+    # in plain text or Unicode (O(N log N), ℋ) instead.
+    text = (BOOK / "references.bib").read_text(encoding="utf-8")
+    titles = re.findall(r"^\s*title\s*=\s*(.+)$", text, flags=re.MULTILINE)
+    assert titles, "book/references.bib has no title fields"
+    with_tex = [title for title in titles if "$" in title or re.search(r"\\[A-Za-z]", title)]
+    assert not with_tex, f"book/references.bib: titles with TeX that would show raw: {with_tex}"
+
+
+def test_figure_rule_recognises_drawing_cells():
+    # Guards the pattern the figure test relies on.
+    assert DRAWS_FIGURE.search("fig, ax = plt.subplots(figsize=(6, 4))")
+    assert DRAWS_FIGURE.search("_ = plt.plot(x)")
+    assert not DRAWS_FIGURE.search("assert torch.allclose(a, b)  # no figure here")

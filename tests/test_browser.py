@@ -6,6 +6,25 @@ the book must work offline. For the index and every page of _toc.yml we check th
 loads, that math is typeset by the offline MathJax, that every image has loaded, that no request
 fails, that the console shows no errors, and that chapter pages offer their notebook.
 
+Every page must also read cleanly (`test_page_reads_cleanly`). These rules hold for every page of
+_toc.yml, whoever wrote it:
+
+1. No raw LaTeX. After MathJax has typeset the page, no text outside rendered maths
+   (`mjx-container`) and outside code (`pre`, `code`) may contain `$`, `\\(`, `\\)`, `\\[`, `\\]`
+   or a TeX command such as `\\lVert`, `\\frac`, `\\mathcal` (a backslash followed by letters).
+   Typical causes: inline maths split over source lines where a line starts with `- ` or `+ `
+   (Markdown reads a list item), maths in a BibTeX title (pybtex prints it verbatim), a `$`
+   in prose. A literal dollar belongs in code (backticks).
+2. No warning or traceback in any output. A cell output may not be a stderr stream (myst-nb
+   renders it with the class `stderr`) or an error (`traceback`), and its text may not contain
+   `Traceback` or a word ending in `Warning` (`UserWarning`, `Warning:` ...).
+3. Figure code is folded. Every code cell whose output contains an image carries the cell tag
+   `hide-input`: its source sits in a closed `<details>` ("Show code cell source"), and the figure
+   shows. Computation that teaches belongs in a visible cell of its own before the figure cell.
+
+`test_page_checks_catch_what_they_should` runs the same checks on a small synthetic page, so a
+check that silently stopped finding anything would fail there.
+
 Run after `make book` (`make browser` does both). A missing chromium or a missing build is a
 failure, not a skip: `.ci/run` installs chromium and the Makefile builds the book first.
 """
@@ -183,7 +202,7 @@ def test_page_works_offline(visit, site_url, entry):
     v = visit(path)
     page = v.page
     assert v.response is not None and v.response.ok, f"{path}: {v.response and v.response.status}"
-    page.wait_for_load_state("networkidle")
+    page.wait_for_load_state("networkidle", timeout=4 * TIMEOUT_MS)  # slow on a busy machine
     if entry == "index":  # the index redirects to the root page of the toc
         root = _toc_entries()[0]
         page.wait_for_url(f"**/{root}.html")
@@ -261,3 +280,125 @@ def test_chapter_shows_its_computed_figures(entry):
     html = (SITE / _html_path(entry)).read_text(encoding="utf-8")
     images = html.count("<img")
     assert images >= 2, f"{entry}: {images} figure(s) in the built page, expected at least 2"
+
+
+# --- Page reading checks (rules 1-3 of the module docstring) --------------------------------------
+
+# One JavaScript function returns every problem it finds on the current page, as strings.
+PAGE_CHECKS_JS = r"""
+() => {
+  const problems = [];
+  const snippet = (text, index) =>
+    text.slice(Math.max(0, index - 40), index + 40).replace(/\s+/g, " ");
+
+  // 1. Raw LaTeX in text outside rendered maths and code.
+  const skip = "mjx-container, mjx-assistive-mml, pre, code, script, style, noscript, textarea";
+  const rawTex = /\$|\\[()\[\]]|\\[A-Za-z]{2,}/;
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const parent = node.parentElement;
+    if (!parent || parent.closest(skip)) continue;
+    const match = rawTex.exec(node.textContent);
+    if (match) problems.push(`raw LaTeX ${JSON.stringify(match[0])}: ` +
+                             `"...${snippet(node.textContent, match.index)}..."`);
+  }
+
+  // 2. Warnings and tracebacks in cell outputs.
+  const warning = /Traceback|\b[A-Za-z]*Warning\b/;
+  document.querySelectorAll(".cell_output").forEach((output) => {
+    const cell = output.closest(".cell");
+    const allCells = [...document.querySelectorAll(".cell")];
+    const where = cell && cell.id ? cell.id : `cell ${allCells.indexOf(cell)}`;
+    output.querySelectorAll(".stderr, .traceback, .output.error").forEach((el) =>
+      problems.push(`${where}: ${el.className.trim()} output: "${snippet(el.textContent, 0)}"`));
+    const match = warning.exec(output.textContent);
+    if (match) problems.push(`${where}: output shows ${JSON.stringify(match[0])}: ` +
+                             `"...${snippet(output.textContent, match.index)}..."`);
+  });
+
+  // 3. Cells whose output is a figure keep their code folded.
+  const cells = [...document.querySelectorAll("div.cell")];
+  cells.forEach((cell, index) => {
+    if (!cell.querySelector(".cell_output img")) return;  // copy buttons carry svg icons
+    const input = cell.querySelector(".cell_input");
+    if (!input) return;
+    const folded = cell.classList.contains("tag_hide-input") &&
+                   input.closest("details.hide:not([open])") !== null;
+    if (!folded) {
+      const code = input.textContent.trim().split("\n")[0];
+      problems.push(`cell ${index} draws a figure but its code is not folded (tag the cell ` +
+                    `hide-input): "${code.slice(0, 80)}"`);
+    }
+  });
+  return problems;
+}
+"""
+
+
+def _wait_for_math(page, timeout_ms: int = 4 * TIMEOUT_MS) -> None:
+    """Wait until MathJax has typeset every math element Sphinx wrote (generous: a busy machine
+    typesets a long chapter slowly, and the checks below need only the DOM, not the images)."""
+    num_math = page.locator(".math").count()
+    if num_math:
+        page.wait_for_function(
+            "n => document.querySelectorAll('mjx-container').length >= n",
+            arg=num_math,
+            timeout=timeout_ms,
+        )
+        page.evaluate(
+            "async () => { if (window.MathJax && MathJax.startup && MathJax.startup.promise) "
+            "await MathJax.startup.promise; }"
+        )
+
+
+@pytest.mark.parametrize("entry", PAGES[1:])
+def test_page_reads_cleanly(visit, entry):
+    """No raw LaTeX, no warning or traceback in outputs, figure code folded (see the docstring)."""
+    path = _html_path(entry)
+    v = visit(path)  # returns after the load event: the DOM and the deferred scripts are there
+    _wait_for_math(v.page)
+    problems = v.page.evaluate(PAGE_CHECKS_JS)
+    assert not problems, f"{path}: {len(problems)} problem(s):\n" + "\n".join(problems[:20])
+
+
+SYNTHETIC_PAGE = r"""<!DOCTYPE html><html><body>
+<p>Fine: <mjx-container>x + $y$ \frac{1}{2}</mjx-container> and <code>cost = $5</code>.</p>
+<p>A list item that should have been maths: \lVert x_j\rVert^2/(2\sigma^2)$.</p>
+<div class="cell docutils container" id="plain">
+  <div class="cell_input docutils container"><pre>x = 1</pre></div>
+  <div class="cell_output docutils container">
+    <div class="output stderr highlight-myst-ansi notranslate"><pre>careful</pre></div>
+  </div>
+</div>
+<div class="cell docutils container" id="warns">
+  <div class="cell_input docutils container"><pre>import warnings</pre></div>
+  <div class="cell_output docutils container"><pre>RuntimeWarning: overflow</pre></div>
+</div>
+<div class="cell docutils container">
+  <div class="cell_input docutils container"><pre>plt.plot(x)  # unfolded figure</pre></div>
+  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="></div>
+</div>
+<div class="cell tag_hide-input docutils container">
+  <details class="admonition hide above-input"><summary>Show code cell source</summary>
+  <div class="cell_input docutils container"><pre>plt.plot(y)  # folded figure</pre></div></details>
+  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="></div>
+</div>
+</body></html>"""
+
+
+def test_page_checks_catch_what_they_should(browser):
+    """The page checks find each planted problem, and nothing on the lines that are fine."""
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_content(SYNTHETIC_PAGE)
+        problems = page.evaluate(PAGE_CHECKS_JS)
+    finally:
+        context.close()
+    text = "\n".join(problems)
+    assert len(problems) == 4, text
+    assert sum("raw LaTeX" in p for p in problems) == 1 and "\\\\lVert" in problems[0], text
+    assert any("plain: output stderr" in p for p in problems), text
+    assert any("warns: output shows \"RuntimeWarning\"" in p for p in problems), text
+    assert any("unfolded figure" in p for p in problems), text
+    assert sum("draws a figure" in p for p in problems) == 1, text  # the folded one passes

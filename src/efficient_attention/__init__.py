@@ -13,6 +13,7 @@ from . import (
     kernels,
     linearized,
     lowrank,
+    memory,
     models,
     nystrom,
     performer,
@@ -25,6 +26,7 @@ from .fmm import *  # noqa: F403
 from .kernels import *  # noqa: F403
 from .linearized import *  # noqa: F403
 from .lowrank import *  # noqa: F403
+from .memory import *  # noqa: F403
 from .models import *  # noqa: F403
 from .nystrom import *  # noqa: F403
 from .performer import *  # noqa: F403
@@ -45,6 +47,7 @@ __all__ = sorted(
             kernels,
             linearized,
             lowrank,
+            memory,
             models,
             nystrom,
             performer,
