@@ -19,6 +19,7 @@ from .nystrom import *  # noqa: F403
 from .performer import *  # noqa: F403
 from .purification import *  # noqa: F403
 from .random_features import *  # noqa: F403
+from .tiling import *  # noqa: F403
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ _MODULES = (
     "performer",
     "purification",
     "random_features",
+    "tiling",
 )
 
 # Some modules share a name with a function they export (``linear_attention``), so the
