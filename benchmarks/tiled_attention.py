@@ -85,7 +85,7 @@ CASES = ("forward", "forward_causal", "training_step", "training_step_causal")
 MEMORY_CASES = ("forward", "training_step_causal")
 FULL = {"time": [1024, 2048, 4096, 8192], "memory": [1024, 2048, 4096, 8192, 16384],
         "sweep_n": 4096, "repeats": 5}
-QUICK = {"time": [256, 512], "memory": [512, 1024], "sweep_n": 512, "repeats": 2}
+QUICK = {"time": [128, 256], "memory": [256, 512], "sweep_n": 256, "repeats": 2}
 SWEEP = [(64, 512), (128, 256), (128, 512), (256, 256), (256, 512), (512, 512), (256, 1024),
          (256, 4096)]
 QUICK_SWEEP = [(128, 128), (256, 512)]

@@ -96,14 +96,14 @@ def _forward(q, k, v, mask, causal, block_q, block_k):
     ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``."""
     batch, n_q, _ = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
-    out = q.new_zeros(batch, n_q, d_v)
-    lse = q.new_full((batch, n_q), float("-inf"))
+    out = q.new_empty(batch, n_q, d_v)
+    lse = q.new_empty(batch, n_q)
     for q_start in range(0, n_q, block_q):
         q_stop = min(q_start + block_q, n_q)
         q_tile = q[:, q_start:q_stop]
         top = q.new_full((batch, q_stop - q_start), float("-inf"))  # running maximum m
         total = q.new_zeros(batch, q_stop - q_start)  # running normaliser l
-        acc = out[:, q_start:q_stop]  # running numerator, written in place
+        acc = q.new_zeros(batch, q_stop - q_start, d_v)  # running numerator (contiguous)
         for k_start in range(0, _key_stop(causal, q_stop, n_k), block_k):
             k_stop = min(k_start + block_k, n_k)
             scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
@@ -117,7 +117,7 @@ def _forward(q, k, v, mask, causal, block_q, block_k):
             acc.mul_(rescale.unsqueeze(-1)).baddbmm_(weights, v[:, k_start:k_stop])
             top = new_top
         seen = total > 0  # False: no unmasked key, output stays 0 and lse -inf
-        acc.div_(torch.where(seen, total, 1.0).unsqueeze(-1))
+        torch.div(acc, torch.where(seen, total, 1.0).unsqueeze(-1), out=out[:, q_start:q_stop])
         lse[:, q_start:q_stop] = torch.where(seen, top + torch.log(total), float("-inf"))
     return out, lse
 
