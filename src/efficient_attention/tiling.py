@@ -40,9 +40,11 @@ from ._checks import check_key_padding_mask, check_positive_int, check_qkv, chec
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 
-# (queries, keys) per tile. Measured on two CPU cores for (1, 8, n, 64) float32 at
-# n = 4096 and 8192 (benchmarks/tiled_attention.py): score tiles of 8 x 256 x 512 floats
-# (4 MiB) are fast; full-width key blocks spill out of cache and run about twice as slow.
+# (queries, keys) per tile, from the tile sweep of benchmarks/tiled_attention.py (forward,
+# (1, 8, n, 64) float32, two CPU cores, n = 4096, on a shared machine): score tiles of
+# 8 x 256 x 512 floats (4 MiB) were the fastest or within noise of it; tiles spanning
+# 4096 keys ran about 1.6 times slower (they leave the cache), and 64 or 128 queries per
+# tile 1.2 to 1.6 times slower (more, smaller operations).
 DEFAULT_BLOCK_SIZE = (256, 512)
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -228,9 +230,11 @@ def tiled_attention(
         back; ``lse`` stays in the compute dtype (float32 or float64).
 
     Cost: time ``O(n_q n_k (d + d_v))`` forward and about 2.5 times that backward
-    (half of it when causal); extra memory ``O(n_q d_v + B block_q block_k)`` for ``B``
-    batch elements: the output, the ``lse`` and one tile of scores, never
-    ``n_q x n_k``. A training step stores ``O(n (d + d_v))``.
+    (about half of each when causal). Extra memory ``O(B n (d + d_v) + B block_q
+    block_k)`` for ``B`` batch elements and ``n = max(n_q, n_k)``: the output, the
+    ``lse``, a scaled copy of ``q`` (and of ``k, v`` when padded or in half precision)
+    and one or two tiles of scores, never ``n_q x n_k``; a training step stores only
+    ``q, k, v``, the output and ``lse``.
 
     References: Milakov and Gimelshein 2018 (online softmax); Rabe and Staats 2021;
     Dao et al. 2022 (FlashAttention); Dao 2023 (FlashAttention-2).
