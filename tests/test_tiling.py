@@ -156,6 +156,13 @@ def test_gradcheck(causal, padded):
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
+def test_second_derivatives_are_refused_not_wrong():
+    q = _randn(5, 3, seed=59, requires_grad=True)
+    (grad,) = torch.autograd.grad(ea.tiled_attention(q, q, q).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
 def test_gradcheck_of_the_log_sum_exp():
     q, k, v = (_randn(2, 6, 3, seed=s, requires_grad=True) for s in (30, 31, 32))
     mask = torch.tensor([True, False, False, False, False, True])

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_tensor
 
@@ -163,6 +164,7 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of being silently wrong
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:
