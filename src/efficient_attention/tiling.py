@@ -107,8 +107,9 @@ def _forward(q, k, v, mask, causal, block_q, block_k):
         top = q.new_full((batch, q_stop - q_start), float("-inf"))  # running maximum m
         total = q.new_zeros(batch, q_stop - q_start)  # running normaliser l
         acc = q.new_zeros(batch, q_stop - q_start, d_v)  # running numerator (contiguous)
-        for k_start in range(0, _key_stop(causal, q_stop, n_k), block_k):
-            k_stop = min(k_start + block_k, n_k)
+        keys = _key_stop(causal, q_stop, n_k)
+        for k_start in range(0, keys, block_k):
+            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
             scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
             new_top = torch.maximum(top, scores.amax(dim=-1))
             # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
@@ -141,8 +142,9 @@ def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
         q_tile, d_out = q[:, q_start:q_stop], grad_out[:, q_start:q_stop]
         row_shift = shift[:, q_start:q_stop].unsqueeze(-1)
         row_delta = delta[:, q_start:q_stop].unsqueeze(-1)
-        for k_start in range(0, _key_stop(causal, q_stop, n_k), block_k):
-            k_stop = min(k_start + block_k, n_k)
+        keys = _key_stop(causal, q_stop, n_k)
+        for k_start in range(0, keys, block_k):
+            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
             scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
             probs = scores.sub_(row_shift).exp_()  # P, recomputed
             grad_v[:, k_start:k_stop].baddbmm_(probs.transpose(-2, -1), d_out)
@@ -216,7 +218,8 @@ def tiled_attention(
         k: keys ``(..., n_k, d)``.
         v: values ``(..., n_k, d_v)``. Batch dimensions broadcast.
         causal: query ``i`` sees only keys ``j <= i`` (needs ``n_q == n_k``); tiles that
-            lie entirely after the diagonal are skipped, not masked.
+            lie entirely after the diagonal are skipped, not masked, and the keys of a
+            query tile stop at its last query.
         key_padding_mask: bool, broadcastable to ``k.shape[:-1]`` ``(..., n_k)``, ``True``
             where the key is padding. Padded keys take no part in any sum, even if they
             hold NaN or infinity.
