@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tiled_attention.py          # full run (about 5 minutes)
+    .venv/bin/python benchmarks/tiled_attention.py          # full run (about 6 minutes, idle)
     .venv/bin/python benchmarks/tiled_attention.py --quick  # smoke test, seconds
 
 Setting: ``q, k, v`` of shape ``(1, 8, n, 64)`` (batch 1, 8 heads, head dimension 64),

@@ -147,3 +147,15 @@ def test_tiled_attention_quick_run_matches_the_committed_structure(tmp_path):
             sweep["tiled_over_sdpa"])
     for suffix in ("md", "png"):
         assert (tmp_path / f"tiled_attention.{suffix}").stat().st_size > 0
+
+
+def test_committed_tiled_results_have_what_the_chapter_reads():
+    report = _load(COMMITTED, "tiled_attention.json")
+    assert report["quick"] is False
+    assert "8192" in report["time"] and {"8192", "16384"} <= set(report["memory_mib"])
+    assert set(report["targets"]) == {
+        "forward tiled / SDPA at n = 8192",
+        "forward tiled memory growth 16384 / 8192",
+        "training_step_causal tiled memory growth 16384 / 8192",
+    }
+    assert report["setting"]["block_size"] == report["tile_sweep"]["default"]

@@ -41,11 +41,11 @@ from ._checks import check_key_padding_mask, check_positive_int, check_qkv, chec
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 
-# (queries, keys) per tile, from the tile sweep of benchmarks/tiled_attention.py (forward,
-# (1, 8, n, 64) float32, two CPU cores, n = 4096, on a shared machine): score tiles of
-# 8 x 256 x 512 floats (4 MiB) were the fastest or within noise of it; tiles spanning
-# 4096 keys ran about 1.6 times slower (they leave the cache), and 64 or 128 queries per
-# tile 1.2 to 1.6 times slower (more, smaller operations).
+# (queries, keys) per tile, from the tile sweeps of benchmarks/tiled_attention.py (forward,
+# (1, 8, n, 64) float32, two CPU cores, n = 4096, on a shared machine): 256 x 512 and
+# 512 x 512 were the fastest, within about 10% of each other in either order (256 x 512
+# keeps 8 x 256 x 512 floats, 4 MiB, of scores); tiles spanning 4096 keys ran 1.4 to 1.6
+# times slower (they leave the cache), 64 or 128 queries per tile 1.2 to 1.6 times slower.
 DEFAULT_BLOCK_SIZE = (256, 512)
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
