@@ -26,7 +26,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Order: speed first (the longest and most load-sensitive), then training, then errors.
-SCRIPTS = ("attention_speed.py", "train_models.py", "approximation_error.py")
+SCRIPTS = ("attention_speed.py", "tiled_attention.py", "train_models.py",
+           "approximation_error.py")
 
 
 def run_conditions(end: bool = False) -> dict[str, object]:

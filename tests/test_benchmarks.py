@@ -119,3 +119,43 @@ def test_approximation_error_quick_run_matches_the_committed_structure(tmp_path)
         assert regime.keys() == committed["regimes"][name].keys(), name
         uniform = regime["methods"]["uniform"]["mean"]
         assert all(abs(value - 1) < 1e-9 for value in uniform), name  # the baseline scores 1
+
+
+def test_tiled_attention_quick_run_matches_the_committed_structure(tmp_path):
+    _run("tiled_attention.py", tmp_path)
+    quick = _load(tmp_path, "tiled_attention.json")
+    committed = _load(COMMITTED, "tiled_attention.json")
+    assert quick.keys() == committed.keys()
+    assert quick["setting"].keys() == committed["setting"].keys()
+    assert quick["tile_sweep"].keys() == committed["tile_sweep"].keys()
+    assert quick["conditions"]["load_average_start"] and quick["quick"] is True
+    cases = ["forward", "forward_causal", "training_step", "training_step_causal"]
+    for report in (quick, committed):
+        assert list(report["time"]) == [str(n) for n in report["setting"]["time_sizes"]]
+        for n, row in report["time"].items():
+            assert list(row) == cases, n
+            for case, entries in row.items():
+                assert {"SDPA", "tiled"} <= set(entries), (n, case)
+                assert all(entry["median_ms"] > 0 for entry in entries.values()), (n, case)
+                assert report["ratios"][n][f"{case} tiled / SDPA"] > 0, (n, case)
+        assert list(report["memory_mib"]) == [str(n) for n in report["setting"]["memory_sizes"]]
+        for n, row in report["memory_mib"].items():
+            assert list(row) == ["forward", "training_step_causal"], n
+            assert all(row[case]["tiled"] >= 0 and "SDPA" in row[case] for case in row), n
+        sweep = report["tile_sweep"]
+        assert len(sweep["block_sizes"]) == len(sweep["median_ms"]) == len(
+            sweep["tiled_over_sdpa"])
+    for suffix in ("md", "png"):
+        assert (tmp_path / f"tiled_attention.{suffix}").stat().st_size > 0
+
+
+def test_committed_tiled_results_have_what_the_chapter_reads():
+    report = _load(COMMITTED, "tiled_attention.json")
+    assert report["quick"] is False
+    assert "8192" in report["time"] and {"8192", "16384"} <= set(report["memory_mib"])
+    assert set(report["targets"]) == {
+        "forward tiled / SDPA at n = 8192",
+        "forward tiled memory growth 16384 / 8192",
+        "training_step_causal tiled memory growth 16384 / 8192",
+    }
+    assert report["setting"]["block_size"] == report["tile_sweep"]["default"]

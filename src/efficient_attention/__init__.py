@@ -19,6 +19,7 @@ from . import (
     performer,
     purification,
     random_features,
+    tiling,
 )
 from .attention import *  # noqa: F403
 from .embeddings import *  # noqa: F403
@@ -32,6 +33,7 @@ from .nystrom import *  # noqa: F403
 from .performer import *  # noqa: F403
 from .purification import *  # noqa: F403
 from .random_features import *  # noqa: F403
+from .tiling import *  # noqa: F403
 
 __version__ = "0.1.0"
 
@@ -53,6 +55,7 @@ __all__ = sorted(
             performer,
             purification,
             random_features,
+            tiling,
         )
         for name in module.__all__
     }

@@ -1,0 +1,341 @@
+r"""Exact attention by online softmax over tiles, with recomputation in the backward pass.
+
+Softmax attention ``softmax(q k^T / sqrt(d)) v`` needs, for each query, a maximum and a
+sum over *all* keys before any weight is known. The online softmax (Milakov and
+Gimelshein 2018) removes that barrier: keep, per query ``i``, a running maximum ``m_i``,
+a running normaliser ``l_i = sum_j exp(s_ij - m_i)`` and a running numerator
+``acc_i = sum_j exp(s_ij - m_i) v_j`` over the keys seen so far. When a new block of
+scores ``s_iJ`` arrives,
+
+.. math::
+    m_i' = \max(m_i, \max_{j \in J} s_{ij}), \quad
+    l_i' = e^{m_i - m_i'} l_i + \sum_{j \in J} e^{s_{ij} - m_i'}, \quad
+    \mathrm{acc}_i' = e^{m_i - m_i'} \mathrm{acc}_i + \sum_{j \in J} e^{s_{ij} - m_i'} v_j,
+
+and after the last block ``out_i = acc_i / l_i`` and ``lse_i = m_i + log l_i`` (the row
+log-sum-exp). Computed over tiles of queries *and* keys, only one tile of scores
+exists at a time (Rabe and Staats 2021; FlashAttention, Dao et al. 2022). The backward
+pass recomputes each tile from ``q, k`` and ``lse``, ``P_ij = exp(s_ij - lse_i)``, and uses
+``D_i = sum_c dO_ic O_ic`` so that ``dS = P * (dP - D)`` (FlashAttention-2, Dao 2023):
+nothing of size ``n_q x n_k`` is ever stored.
+
+The same rescaling merges two attention results over disjoint sets of keys
+(:func:`merge_softmax_partials`): it is how attention over a sequence split across
+devices (ring attention, split-KV decoding) is combined.
+
+References: M. Milakov and N. Gimelshein, "Online normalizer calculation for softmax",
+2018; M. Rabe and C. Staats, "Self-attention does not need O(n^2) memory", 2021;
+T. Dao et al., "FlashAttention: fast and memory-efficient exact attention with
+IO-awareness", NeurIPS 2022; T. Dao, "FlashAttention-2: faster attention with better
+parallelism and work partitioning", 2023.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_tensor
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
+
+# (queries, keys) per tile, from the tile sweeps of benchmarks/tiled_attention.py (forward,
+# (1, 8, n, 64) float32, two CPU cores, n = 4096, on a shared machine): 256 x 512 and
+# 512 x 512 were the fastest, within about 10% of each other in either order (256 x 512
+# keeps 8 x 256 x 512 floats, 4 MiB, of scores); tiles spanning 4096 keys ran 1.4 to 1.6
+# times slower (they leave the cache), 64 or 128 queries per tile 1.2 to 1.6 times slower.
+DEFAULT_BLOCK_SIZE = (256, 512)
+_COMPUTE_DTYPES = (torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _block_sizes(block_size: object) -> tuple[int, int]:
+    """``None`` -> the default; an int -> square tiles; a pair -> (queries, keys)."""
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2:
+            raise ValueError(
+                "block_size must be an int or a pair (queries, keys), "
+                f"got a sequence of length {len(block_size)}"
+            )
+        return (check_positive_int(block_size[0], "block_size[0]"),
+                check_positive_int(block_size[1], "block_size[1]"))
+    size = check_positive_int(block_size, "block_size")
+    return size, size
+
+
+def _future_mask(q_start: int, q_stop: int, k_start: int, k_stop: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """``(bq, bk)`` True where key ``j`` lies after query ``i``; None if the tile has none."""
+    if k_stop - 1 <= q_start:  # every key of the tile is at or before every query
+        return None
+    rows = torch.arange(q_start, q_stop, device=device).unsqueeze(-1)
+    cols = torch.arange(k_start, k_stop, device=device)
+    return cols > rows
+
+
+def _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop):
+    """Scores of one tile ``(B, bq, bk)``, with masked keys at -inf (masked_fill, not * 0)."""
+    scores = q_tile @ k[:, k_start:k_stop].transpose(-2, -1)
+    hidden = _future_mask(q_start, q_stop, k_start, k_stop, q_tile.device) if causal else None
+    if mask is not None:
+        padding = mask[:, None, k_start:k_stop]  # (B, 1, bk)
+        hidden = padding if hidden is None else hidden | padding
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
+    return scores
+
+
+def _key_stop(causal: bool, q_stop: int, n_k: int) -> int:
+    """Keys a query tile needs: all of them, or (causal) those up to its last query."""
+    return min(q_stop, n_k) if causal else n_k
+
+
+def _forward(q, k, v, mask, causal, block_q, block_k):
+    """Tiled online-softmax forward on ``(B, n, d)``: returns ``out (B, n_q, d_v)`` and
+    ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``."""
+    batch, n_q, _ = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    out = q.new_empty(batch, n_q, d_v)
+    lse = q.new_empty(batch, n_q)
+    for q_start in range(0, n_q, block_q):
+        q_stop = min(q_start + block_q, n_q)
+        q_tile = q[:, q_start:q_stop]
+        top = q.new_full((batch, q_stop - q_start), float("-inf"))  # running maximum m
+        total = q.new_zeros(batch, q_stop - q_start)  # running normaliser l
+        acc = q.new_zeros(batch, q_stop - q_start, d_v)  # running numerator (contiguous)
+        keys = _key_stop(causal, q_stop, n_k)
+        for k_start in range(0, keys, block_k):
+            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+            scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
+            new_top = torch.maximum(top, scores.amax(dim=-1))
+            # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
+            # there, so that exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+            shift = torch.where(new_top == float("-inf"), 0.0, new_top)
+            weights = scores.sub_(shift.unsqueeze(-1)).exp_()  # (B, bq, bk), in place
+            rescale = torch.exp(top - shift)  # e^{m - m'}; 0 while m = -inf
+            total.mul_(rescale).add_(weights.sum(dim=-1))
+            acc.mul_(rescale.unsqueeze(-1)).baddbmm_(weights, v[:, k_start:k_stop])
+            top = new_top
+        seen = total > 0  # False: no unmasked key, output stays 0 and lse -inf
+        torch.div(acc, torch.where(seen, total, 1.0).unsqueeze(-1), out=out[:, q_start:q_stop])
+        lse[:, q_start:q_stop] = torch.where(seen, top + torch.log(total), float("-inf"))
+    return out, lse
+
+
+def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
+    """FlashAttention-2 backward by recomputation. ``delta = rowsum(dO * O) - dlse``.
+
+    ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = dS K``,
+    ``dK = dS^T Q`` (with the ``1/sqrt(d)`` folded into ``q``), one tile at a time.
+    """
+    n_q, n_k = q.shape[1], k.shape[1]
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # Rows without any unmasked key have lse = -inf and all their scores at -inf: any
+    # finite shift gives P = 0 there.
+    shift = torch.where(lse == float("-inf"), 0.0, lse)
+    for q_start in range(0, n_q, block_q):
+        q_stop = min(q_start + block_q, n_q)
+        q_tile, d_out = q[:, q_start:q_stop], grad_out[:, q_start:q_stop]
+        row_shift = shift[:, q_start:q_stop].unsqueeze(-1)
+        row_delta = delta[:, q_start:q_stop].unsqueeze(-1)
+        keys = _key_stop(causal, q_stop, n_k)
+        for k_start in range(0, keys, block_k):
+            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+            scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
+            probs = scores.sub_(row_shift).exp_()  # P, recomputed
+            grad_v[:, k_start:k_stop].baddbmm_(probs.transpose(-2, -1), d_out)
+            grad_scores = d_out @ v[:, k_start:k_stop].transpose(-2, -1)  # dP
+            grad_scores.sub_(row_delta).mul_(probs)  # dS
+            grad_q[:, q_start:q_stop].baddbmm_(grad_scores, k[:, k_start:k_stop])
+            grad_k[:, k_start:k_stop].baddbmm_(grad_scores.transpose(-2, -1), q_tile)
+    return grad_q, grad_k, grad_v
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward saves ``q, k, v``, the output and ``lse`` (never the weights)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, block_q, block_k):
+        out, lse = _forward(q, k, v, mask, causal, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.causal, ctx.blocks = mask, causal, (block_q, block_k)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # a second derivative raises instead of being silently wrong
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        delta = (grad_out * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i)
+        if grad_lse is not None:  # d lse_i / d s_ij = P_ij: enters dS like -D
+            delta = delta - torch.where(lse == float("-inf"), 0.0, grad_lse)
+        grads = _backward(q, k, v, ctx.mask, ctx.causal, *ctx.blocks, lse, grad_out, delta)
+        return (*grads, None, None, None, None)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    if q.dtype in _COMPUTE_DTYPES:
+        return q.dtype
+    if q.dtype in _HALF_DTYPES:
+        return torch.float32
+    raise TypeError(
+        f"q, k and v must be float16, bfloat16, float32 or float64 tensors, got {q.dtype}"
+    )
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    block_size: int | tuple[int, int] | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Exact ``softmax(q k^T / sqrt(d)) v`` by online softmax over tiles (FlashAttention).
+
+    .. math::
+        \mathrm{out}_i = \sum_j \frac{e^{s_{ij}}}{\sum_l e^{s_{il}}} v_j, \quad
+        s_{ij} = q_i^\top k_j / \sqrt{d}, \quad
+        \mathrm{lse}_i = \log \sum_j e^{s_{ij}},
+
+    the sums running over the keys that are neither padding nor (when causal) after
+    ``i``. Queries are taken ``block_q`` at a time and keys ``block_k`` at a time; each
+    ``block_q x block_k`` tile of scores updates a running maximum, normaliser and
+    numerator per query (the online softmax, see the module docstring). All leading
+    dimensions (batch, heads) are processed together in each tile. Under autograd the
+    forward keeps only ``q, k, v``, the output and ``lse``; the backward recomputes the
+    tiles (FlashAttention-2's backward).
+
+    Args:
+        q: queries ``(..., n_q, d)``.
+        k: keys ``(..., n_k, d)``.
+        v: values ``(..., n_k, d_v)``. Batch dimensions broadcast.
+        causal: query ``i`` sees only keys ``j <= i`` (needs ``n_q == n_k``); tiles that
+            lie entirely after the diagonal are skipped, not masked, and the keys of a
+            query tile stop at its last query.
+        key_padding_mask: bool, broadcastable to ``k.shape[:-1]`` ``(..., n_k)``, ``True``
+            where the key is padding. Padded keys take no part in any sum, even if they
+            hold NaN or infinity.
+        block_size: ``None`` (default :data:`DEFAULT_BLOCK_SIZE`), an int (square tiles)
+            or a pair ``(block_q, block_k)``. Any ``n`` works; the last tile may be short.
+        return_lse: also return the row log-sum-exp ``lse (..., n_q)``, for
+            :func:`merge_softmax_partials`; it is differentiable too.
+
+    Returns:
+        ``out (..., n_q, d_v)`` in the dtype of the inputs (and ``lse``). A query with no
+        unmasked key outputs zeros and has ``lse = -inf`` (its gradients are zero, never
+        NaN). float16 and bfloat16 inputs are computed in float32 and the output is cast
+        back; ``lse`` stays in the compute dtype (float32 or float64).
+
+    Cost: time ``O(n_q n_k (d + d_v))`` forward and about 2.5 times that backward
+    (about half of each when causal). Extra memory ``O(B n (d + d_v) + B block_q
+    block_k)`` for ``B`` batch elements and ``n = max(n_q, n_k)``: the output, the
+    ``lse``, a scaled copy of ``q`` (and of ``k, v`` when padded or in half precision)
+    and one or two tiles of scores, never ``n_q x n_k``; a training step stores only
+    ``q, k, v``, the output and ``lse``.
+
+    References: Milakov and Gimelshein 2018 (online softmax); Rabe and Staats 2021;
+    Dao et al. 2022 (FlashAttention); Dao 2023 (FlashAttention-2).
+    """
+    q, k, v = check_qkv(q, k, v)
+    dtype = _compute_dtype(q)
+    mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    block_q, block_k = _block_sizes(block_size)
+    n_q, n_k, d, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if causal and n_q != n_k:
+        raise ValueError(f"causal=True needs as many queries as keys, got n_q={n_q} and n_k={n_k}")
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    if mask is not None:
+        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+        # Padded keys and values become 0 so that NaN or inf there cannot reach a sum
+        # (the scores are masked to -inf; P = 0 times a NaN value would still be NaN).
+        k = k.masked_fill(mask.unsqueeze(-1), 0.0)
+        v = v.masked_fill(mask.unsqueeze(-1), 0.0)
+        mask = mask.expand(*batch, n_k).reshape(-1, n_k)
+    size = math.prod(batch)
+
+    def flat(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = x.to(dtype).expand(*batch, *x.shape[-2:]).reshape(size, *x.shape[-2:])
+        return x * scale if scale != 1.0 else x
+
+    out, lse = _TiledAttention.apply(flat(q, 1.0 / math.sqrt(d)), flat(k), flat(v), mask,
+                                     causal, block_q, block_k)
+    out = out.reshape(*batch, n_q, d_v).to(q.dtype)
+    lse = lse.reshape(*batch, n_q)
+    return (out, lse) if return_lse else out
+
+
+def _check_partial(out: object, lse: object, name_out: str, name_lse: str) -> None:
+    check_tensor(out, name_out, min_dim=1)
+    check_tensor(lse, name_lse, min_dim=0)
+    if tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise ValueError(
+            f"{name_lse} must have the shape of {name_out} without its last dimension, "
+            f"{tuple(out.shape[:-1])}, got {tuple(lse.shape)}"
+        )
+
+
+def merge_softmax_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Combine attention over two disjoint sets of keys into attention over their union.
+
+    If ``out_a = softmax(s_A) v_A`` with ``lse_a = log sum_{j in A} e^{s_j}`` (per query),
+    and likewise for ``B``, then over ``A ∪ B``
+
+    .. math::
+        \mathrm{lse} = \log(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}), \quad
+        \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\, \mathrm{out}_a
+                     + e^{\mathrm{lse}_b - \mathrm{lse}}\, \mathrm{out}_b,
+
+    exactly (the two weights are the shares of the normaliser). This is the step the
+    online softmax repeats for every block of keys, and how attention over a sequence
+    split across devices is combined: each device attends to its own keys and returns
+    ``(out, lse)``; merging the partials in any order gives exact attention (the merge is
+    associative and commutative). A side with ``lse = -inf`` (no key) gets weight 0,
+    whatever its output holds; if both are ``-inf`` the result is ``(0, -inf)``.
+
+    Args:
+        out_a, out_b: partial outputs ``(..., n_q, d_v)``, same shape.
+        lse_a, lse_b: their row log-sum-exps ``(..., n_q)``, e.g. from
+            ``tiled_attention(..., return_lse=True)``.
+
+    Returns:
+        ``(out (..., n_q, d_v), lse (..., n_q))``. Differentiable.
+
+    Cost: ``O(n_q d_v)`` time and memory.
+    """
+    _check_partial(out_a, lse_a, "out_a", "lse_a")
+    _check_partial(out_b, lse_b, "out_b", "lse_b")
+    if out_a.shape != out_b.shape:
+        raise ValueError(
+            f"out_a and out_b must have the same shape, got {tuple(out_a.shape)} and "
+            f"{tuple(out_b.shape)}"
+        )
+    # lse = top + log(e^{lse_a - top} + e^{lse_b - top}) with top = max(lse_a, lse_b);
+    # a shift of 0 where both are -inf, so that no -inf - (-inf) = NaN appears (nor in
+    # the gradients, hence the inner torch.where on the total).
+    top = torch.maximum(lse_a, lse_b).detach()
+    shift = torch.where(top == float("-inf"), 0.0, top)
+    weight_a, weight_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
+    total = weight_a + weight_b
+    some = total > 0
+    total = torch.where(some, total, 1.0)
+    lse = torch.where(some, shift + torch.log(total), float("-inf"))
+
+    def share(out: torch.Tensor, part: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        empty = (part == float("-inf")).unsqueeze(-1)  # no key: weight 0, whatever out holds
+        return torch.where(empty, 0.0, (weight / total).unsqueeze(-1) * out)
+
+    return share(out_a, lse_a, weight_a) + share(out_b, lse_b, weight_b), lse
