@@ -37,6 +37,7 @@ ATTENTION = {
         q, k, v, bandwidth=2, feature_maps=ea.elu_feature_map, near_weight=1.0,
         far_weight=1.0, **kw),
     "nystrom_attention": lambda q, k, v, **kw: ea.nystrom_attention(q, k, v, 2, **kw),
+    "tiled_attention": lambda q, k, v, **kw: ea.tiled_attention(q, k, v, block_size=2, **kw),
     "FavorAttention": lambda q, k, v, **kw: ea.FavorAttention(4, 8, seed=0).double()(
         q, k, v, **kw),
     "FMMAttention": lambda q, k, v, **kw: ea.FMMAttention(2).double()(q, k, v, **kw),

@@ -41,6 +41,8 @@ ATTENTION = {
     "fmm": (_fmm, True, True),
     "nystrom": (lambda q, k, v, causal=False, **kw: ea.nystrom_attention(q, k, v, 3, **kw),
                 False, False),
+    "tiled": (lambda q, k, v, **kw: ea.tiled_attention(q, k, v, block_size=(2, 3), **kw),
+              True, False),
 }
 
 

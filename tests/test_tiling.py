@@ -327,7 +327,8 @@ def test_property_any_shape_tile_and_mask(batch, n_q, n_k, d, d_v, block_q, bloc
     ("kwargs", "error", "words"),
     [
         ({"q": [[1.0]]}, TypeError, "q must be a torch.Tensor"),
-        ({"q": torch.ones(2, 3, dtype=torch.int64)}, TypeError, "q must be a floating"),
+        ({"q": torch.ones(2, 3, dtype=torch.int64)}, TypeError,
+         "q must be a real floating-point tensor"),
         ({"k": torch.ones(5, 4)}, ValueError, "q and k must have the same last dimension"),
         ({"v": torch.ones(4, 3)}, ValueError, "k and v must have the same sequence length"),
         ({"block_size": 0}, ValueError, "block_size must be a positive int"),

@@ -37,7 +37,15 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_key_padding_mask, check_positive_int, check_qkv, check_tensor
+from ._checks import (
+    check_bool,
+    check_causal_lengths,
+    check_key_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_tensor,
+    compute_dtype,
+)
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 
@@ -47,8 +55,6 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 # keeps 8 x 256 x 512 floats, 4 MiB, of scores); tiles spanning 4096 keys ran 1.4 to 1.6
 # times slower (they leave the cache), 64 or 128 queries per tile 1.2 to 1.6 times slower.
 DEFAULT_BLOCK_SIZE = (256, 512)
-_COMPUTE_DTYPES = (torch.float32, torch.float64)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _block_sizes(block_size: object) -> tuple[int, int]:
@@ -178,16 +184,6 @@ class _TiledAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    if q.dtype in _COMPUTE_DTYPES:
-        return q.dtype
-    if q.dtype in _HALF_DTYPES:
-        return torch.float32
-    raise TypeError(
-        f"q, k and v must be float16, bfloat16, float32 or float64 tensors, got {q.dtype}"
-    )
-
-
 def tiled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -245,16 +241,14 @@ def tiled_attention(
     Dao et al. 2022 (FlashAttention); Dao 2023 (FlashAttention-2).
     """
     q, k, v = check_qkv(q, k, v)
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q, k, v)
     mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool(causal, "causal")
+    check_bool(return_lse, "return_lse")
     block_q, block_k = _block_sizes(block_size)
     n_q, n_k, d, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    if causal and n_q != n_k:
-        raise ValueError(f"causal=True needs as many queries as keys, got n_q={n_q} and n_k={n_k}")
+    if causal:
+        check_causal_lengths(n_q, n_k)
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
         batch = torch.broadcast_shapes(batch, mask.shape[:-1])
