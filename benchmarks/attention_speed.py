@@ -1,24 +1,33 @@
-"""Forward time and peak extra memory of attention methods against the sequence length n.
+"""Time and peak extra memory of attention methods against the sequence length n.
 
 Run from the repository root::
 
     .venv/bin/python benchmarks/attention_speed.py          # full run (a few minutes)
     .venv/bin/python benchmarks/attention_speed.py --quick  # small sizes, under a minute
 
-Setting: batch x heads = 8, head dimension d = 64, float32, CPU, 2 threads, m = 256
-random features. Methods: naive softmax attention (``ea.softmax_attention``, which
-builds the n x n matrix), PyTorch's ``scaled_dot_product_attention`` (SDPA, fused),
-linear attention (elu + 1), FAVOR+ (bidirectional and causal), the Nystrom and banded
-approximations when the package has them, and the "floor": the two ``(n x m) @ (m x d)``
-products every random-feature method must do, on ready-made features.
+Setting: inputs ``(batch, heads, n, d) = (1, 8, n, 64)``, the layout users pass to
+PyTorch's ``scaled_dot_product_attention`` (SDPA), float32, CPU, 2 threads, m = 256 random
+features. Two workloads per method: one **forward** call (under ``torch.inference_mode``),
+and one **training step**: forward and backward with ``requires_grad`` inputs and a fixed
+random gradient of the output, what a user training a model pays. Methods: naive softmax
+attention (``ea.softmax_attention``, which builds the n x n matrix), fused SDPA, linear
+attention (elu + 1), FAVOR+ (bidirectional and causal), Nystrom and banded attention, the
+"floor" of FAVOR+ (its two ``(n x m) @ (m x d)`` products on ready-made features; forward
+only), and, when they can be imported, the public ``nystrom-attention`` and
+``performer-pytorch`` implementations (see ``_peers.py``).
 
-Time: median over several forward calls after one warm-up call, the methods of one n
+The script checks that SDPA takes a fused kernel: the profiler must show a fused ATen op
+(on this CPU ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward), and
+the measured peak extra memory of SDPA must stay far below one float32 n x n matrix per
+head. It stops with an error otherwise, because every ratio against SDPA would then compare
+with PyTorch's unfused fallback (what a 3-D input gets), not with what users run.
+
+Time: median over several calls after one warm-up call, every (workload, method) of one n
 taking turns (round robin), so that ratios compare calls made under the same load.
 Memory: for each n a fresh subprocess warms every method up on a tiny input, allocates
-the inputs, and then for each method in turn releases freed memory to the OS, resets
-the kernel's peak-RSS mark, runs the method once and reads the peak resident set size
-(VmHWM in /proc/self/status); peak minus the RSS just before the call is the peak extra
-memory of that forward, as the operating system saw it.
+the inputs, and then for each workload and method in turn releases freed memory to the
+OS, resets the kernel's peak-RSS mark, runs it once and reads the peak resident set size
+(VmHWM in /proc/self/status); peak minus the RSS just before is the peak extra memory.
 
 Writes benchmarks/results/attention_speed.{json,md,png} (or the folder given by --out).
 """
@@ -40,52 +49,89 @@ from pathlib import Path
 # Threads that sleep while waiting (instead of spinning) keep a shared, oversubscribed
 # machine from turning every parallel region into a wait for a descheduled thread.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peers, also when imported by path
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _peers import (  # noqa: E402
+    NYSTROM_PKG,
+    PERFORMER_PKG,
+    PERFORMER_PKG_CAUSAL,
+    nystrom_package_core,
+    pack_heads,
+    performer_package_attention,
+)
 
 import efficient_attention as ea  # noqa: E402
 
 THREADS = 2
-BATCH_HEADS = 8
+BATCH = 1
+HEADS = 8
 HEAD_DIM = 64
 NUM_FEATURES = 256
 LANDMARKS = 64
 BANDWIDTH = 32
-QUADRATIC_LIMIT_BYTES = 8 * 2**30  # skip quadratic methods needing more than ~8 GB
-SLOW_CALL_S = 60.0  # a method slower than this at one n is not run at larger n
+MODES = ("forward", "train")
+QUADRATIC_LIMIT_BYTES = 8 * 2**30  # skip a call whose n x n buffers would pass ~8 GiB
+SLOW_CALL_S = 60.0  # a call slower than this at one n is not run at larger n
 FULL_SIZES = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_SIZES = [256, 512, 1024]
 RESULTS = Path(__file__).resolve().parent / "results"
+FLOOR = "floor (2 matmuls)"
+FORWARD_ONLY = {FLOOR}  # no parameters, nothing to differentiate
+
+
+@functools.cache
+def frequencies() -> torch.Tensor:
+    """The ``(m, d)`` orthogonal FAVOR+ frequencies, shared with the performer-pytorch peer."""
+    g = torch.Generator().manual_seed(0)
+    return ea.gaussian_random_matrix(NUM_FEATURES, HEAD_DIM, orthogonal=True, generator=g)
 
 
 def make_inputs(n: int, packed: bool = False) -> dict[str, torch.Tensor]:
-    """Seeded inputs for one n: q, k, v ``(8, n, 64)``, w ``(256, 64)`` and floor operands.
+    """Seeded inputs for one n: leaf q, k, v ``(1, 8, n, 64)`` with ``requires_grad``, the
+    gradient of the output, the frequencies and the floor's operands.
 
-    ``packed`` adds ``[q | k | v]`` laid out for the public Nystrom package.
+    ``packed`` adds ``[q | k | v]`` laid out for the public Nystrom package (its own leaf).
     """
     g = torch.Generator().manual_seed(n)
-    shape = (BATCH_HEADS, n, HEAD_DIM)
+    shape = (BATCH, HEADS, n, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
     inputs = {
-        "q": torch.randn(shape, generator=g),
-        "k": torch.randn(shape, generator=g),
-        "v": torch.randn(shape, generator=g),
-        "w": ea.gaussian_random_matrix(NUM_FEATURES, HEAD_DIM, orthogonal=True, generator=g),
-        "features": torch.rand(BATCH_HEADS, n, NUM_FEATURES, generator=g),
-        "state": torch.randn(BATCH_HEADS, NUM_FEATURES, HEAD_DIM, generator=g),
+        "q": q, "k": k, "v": v,
+        "grad_out": torch.randn(shape, generator=g),
+        "w": frequencies(),
+        "features": torch.rand(BATCH, HEADS, n, NUM_FEATURES, generator=g),
+        "state": torch.randn(BATCH, HEADS, NUM_FEATURES, HEAD_DIM, generator=g),
     }
     if packed:
-        inputs["packed"] = pack_heads(inputs)
+        inputs["packed"] = pack_heads(q, k, v).detach().requires_grad_()
+        inputs["grad_out_packed"] = inputs["grad_out"].transpose(1, 2).reshape(1, n, -1)
     return inputs
 
 
-QUADRATIC_BUFFERS = {  # n x n float32 buffers alive at the peak of one call
-    "naive softmax": 3.0,  # scores, weights and one temporary (measured: 6.0 GiB at 8192)
-    "SDPA": 2.25,  # PyTorch's CPU kernel for these shapes (measured: 4.5 GiB at 8192)
+def leaves(x: dict) -> list[torch.Tensor]:
+    return [t for t in x.values() if t.requires_grad]
+
+
+QUADRATIC_BUFFERS = {  # (method, workload): n x n float32 buffers per head alive at the peak
+    ("naive softmax", "forward"): 3.0,  # scores, weights, one temporary (6.0 GiB at 8192)
+    ("naive softmax", "train"): 7.0,  # saved weights, their gradient, temporaries (6.8 measured)
+}
+STATE_BUFFERS = {  # (method, workload): n x m x d float32 buffers per head at the peak
+    # performer-pytorch's causal fallback materialises the running (m x d) state of every
+    # position of a chunk, and keeps all of them for the backward pass (measured: 0.85 of
+    # them forward at n = 4096, 4.0 in a training step at n = 2048)
+    (PERFORMER_PKG_CAUSAL, "forward"): 1.2,
+    (PERFORMER_PKG_CAUSAL, "train"): 4.5,
 }
 
 
-def quadratic_bytes(name: str, n: int) -> float:
-    return QUADRATIC_BUFFERS.get(name, 0.0) * BATCH_HEADS * n * n * 4
+def needed_bytes(name: str, mode: str, n: int) -> float:
+    """Estimated peak bytes of the buffers that grow fastest with n (0 for the others)."""
+    per_head = (QUADRATIC_BUFFERS.get((name, mode), 0.0) * n * n
+                + STATE_BUFFERS.get((name, mode), 0.0) * n * NUM_FEATURES * HEAD_DIM)
+    return per_head * BATCH * HEADS * 4
 
 
 def floor(x):
@@ -93,74 +139,136 @@ def floor(x):
     return x["features"].transpose(-2, -1) @ x["v"], x["features"] @ x["state"]
 
 
+def sdpa(x):
+    """PyTorch's exact attention, called as users call it: on 4-D (batch, heads, n, d)."""
+    return F.scaled_dot_product_attention(x["q"], x["k"], x["v"])
+
+
 METHODS = {
     "naive softmax": lambda x: ea.softmax_attention(x["q"], x["k"], x["v"]),
-    "SDPA": lambda x: torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"]),
+    "SDPA": sdpa,
     "linear (elu+1)": lambda x: ea.linear_attention(x["q"], x["k"], x["v"]),
     "FAVOR+": lambda x: ea.favor_attention(x["q"], x["k"], x["v"], x["w"]),
     "FAVOR+ causal": lambda x: ea.favor_attention(x["q"], x["k"], x["v"], x["w"], causal=True),
-    "floor (2 matmuls)": floor,
-}
-PUBLIC_NYSTROM = "nystrom-attention pkg core (64)"
-OPTIONAL = {  # written by other modules; included when the package has them
-    "Nystrom (64 landmarks)": (
-        "nystrom_attention",
-        lambda fn, x: fn(x["q"], x["k"], x["v"], num_landmarks=LANDMARKS),
-    ),
-    "banded (w=32)": (
-        "banded_attention",
-        lambda fn, x: fn(x["q"], x["k"], x["v"], bandwidth=BANDWIDTH),
-    ),
+    FLOOR: floor,
+    "Nystrom (64 landmarks)": lambda x: ea.nystrom_attention(x["q"], x["k"], x["v"],
+                                                             num_landmarks=LANDMARKS),
+    "banded (w=32)": lambda x: ea.banded_attention(x["q"], x["k"], x["v"], bandwidth=BANDWIDTH),
 }
 
 
-def public_nystrom_core():
-    """The core of the public ``nystrom-attention`` package (lucidrains), if it is installed.
-
-    Its ``NystromAttention`` module projects ``x`` to q, k, v, runs the Nystromformer core
-    (segment-mean landmarks, three softmaxes, its iterative pseudo-inverse) and projects
-    back. With ``to_qkv`` and ``to_out`` replaced by identities and no residual convolution,
-    one call on the packed ``[q | k | v]`` of shape ``(1, n, 3 * heads * d)`` is the core
-    alone: the same computation as ``ea.nystrom_attention`` with the same landmarks and
-    iterations. Not a dependency of the project: install it in a scratch folder and put
-    that folder on ``PYTHONPATH`` (see benchmarks/README.md).
-    """
-    try:
-        from nystrom_attention import NystromAttention
-    except ImportError:
-        return None
-    module = NystromAttention(dim=BATCH_HEADS * HEAD_DIM, dim_head=HEAD_DIM, heads=BATCH_HEADS,
-                              num_landmarks=LANDMARKS, pinv_iterations=6, residual=False)
-    module.to_qkv = torch.nn.Identity()
-    module.to_out = torch.nn.Identity()
-    return module.eval()
-
-
-def pack_heads(x: dict) -> torch.Tensor:
-    """``q, k, v (8, n, 64)`` as the package's input ``(1, n, 3 * 8 * 64)``, heads in order."""
-    n = x["q"].shape[-2]
-    return torch.cat([x[t].transpose(0, 1).reshape(1, n, -1) for t in "qkv"], dim=-1)
+def peer_methods() -> tuple[dict, dict]:
+    """The public implementations that can be imported here, and a note for each."""
+    methods, notes = {}, {}
+    core = nystrom_package_core(HEADS, HEAD_DIM, LANDMARKS)
+    if core is None:
+        notes[NYSTROM_PKG] = "skipped: nystrom-attention is not importable"
+    else:
+        methods[NYSTROM_PKG] = lambda x: core(x["packed"])
+        notes[NYSTROM_PKG] = "timed"
+    for name, causal in ((PERFORMER_PKG, False), (PERFORMER_PKG_CAUSAL, True)):
+        module = performer_package_attention(frequencies(), causal)
+        if module is None:
+            notes[name] = "skipped: performer_pytorch is not importable"
+            continue
+        methods[name] = functools.partial(lambda mod, x: mod(x["q"], x["k"], x["v"]), module)
+        notes[name] = "timed"
+    return methods, notes
 
 
 def available_methods() -> dict:
-    methods = dict(METHODS)
-    for name, (attribute, call) in OPTIONAL.items():
-        fn = getattr(ea, attribute, None)
-        if fn is None:
-            print(f"note: ea.{attribute} is missing; '{name}' is not benchmarked")
-            continue
-        methods[name] = functools.partial(call, fn)  # x -> call(fn, x)
-    public = public_nystrom_core()
-    if public is not None:
-        methods[PUBLIC_NYSTROM] = lambda x: public(x["packed"])
-    return methods
+    return {**METHODS, **peer_methods()[0]}
 
 
-def skip_reason(name: str, n: int) -> str | None:
-    if quadratic_bytes(name, n) > QUADRATIC_LIMIT_BYTES:
-        return f"needs ~{quadratic_bytes(name, n) / 2**30:.0f} GiB (> 8 GiB)"
+def run_once(mode: str, method, x: dict) -> None:
+    """One forward call (no autograd), or one training step: forward, then backward."""
+    if mode == "forward":
+        with torch.inference_mode():
+            method(x)
+        return
+    for leaf in leaves(x):
+        leaf.grad = None
+    out = method(x)
+    out.backward(x["grad_out"] if out.shape == x["grad_out"].shape else x["grad_out_packed"])
+
+
+def tasks(names, modes=MODES) -> list[tuple[str, str]]:
+    """(workload, method) pairs to run: every method forward, all but the floor trained."""
+    return [(mode, name) for mode in modes for name in names
+            if not (mode == "train" and name in FORWARD_ONLY)]
+
+
+def skip_reason(name: str, mode: str, n: int) -> str | None:
+    needed = needed_bytes(name, mode, n)
+    if needed > QUADRATIC_LIMIT_BYTES:
+        return f"needs ~{needed / 2**30:.0f} GiB (> 8 GiB)"
     return None
 
+
+# --- is SDPA fused? -------------------------------------------------------------------------
+
+FUSED_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention")
+UNFUSED_OP = "_scaled_dot_product_attention_math"
+
+
+def sdpa_kernels(shape: tuple[int, ...]) -> dict[str, list[str]]:
+    """The ATen ops that SDPA dispatches to on inputs of ``shape``, forward and training step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
+    ops = {}
+    for mode in MODES:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            if mode == "forward":
+                with torch.inference_mode():
+                    F.scaled_dot_product_attention(q, k, v)
+            else:
+                F.scaled_dot_product_attention(q, k, v).sum().backward()
+        ops[mode] = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name
+                            or "flash" in e.name})
+    return ops
+
+
+def is_fused(ops: list[str]) -> bool:
+    return any(fused in op for op in ops for fused in FUSED_OPS) and not any(
+        UNFUSED_OP in op for op in ops)
+
+
+def check_sdpa_is_fused(kernels: dict) -> None:
+    """Stop the run if SDPA on the benchmark's 4-D layout did not take a fused kernel."""
+    for mode, ops in kernels["4-D (benchmark)"].items():
+        if not is_fused(ops):
+            raise SystemExit(f"SDPA {mode} on (1, 8, n, 64) ran {ops}: no fused kernel. "
+                             "Every ratio against SDPA would compare with the unfused "
+                             "fallback; fix the call before benchmarking.")
+
+
+def sdpa_memory_bound(n: int) -> float:
+    """Bytes SDPA may add at ``n`` and still count as fused: half of one float32 ``n x n``
+    score matrix per head. The unfused path keeps at least one full such matrix (measured
+    2.25 of them forward on 3-D inputs); the fused one keeps blocks and O(n d) tensors."""
+    return 0.5 * BATCH * HEADS * n * n * 4
+
+
+def check_sdpa_memory(n: int, memory: dict) -> list[str]:
+    """Stop the run if SDPA's measured peak extra memory at ``n`` looks quadratic."""
+    checked = []
+    for mode in MODES:
+        mib = memory.get(mode, {}).get("SDPA", {}).get("peak_extra_mib")
+        if mib is None or n < 2048:  # below, fixed overheads are of the bound's size
+            continue
+        bound = sdpa_memory_bound(n) / 2**20
+        if mib > bound:
+            raise SystemExit(f"SDPA {mode} at n = {n} used {mib:.0f} MiB of extra memory, "
+                             f"more than {bound:.0f} MiB (half an n x n float32 matrix per "
+                             "head): the fused kernel was not used.")
+        checked.append(f"SDPA {mode} at n = {n}: {mib:.1f} MiB <= {bound:.0f} MiB")
+    return checked
+
+
+# --- memory ---------------------------------------------------------------------------------
 
 def status_bytes(field: str) -> int:
     """A memory field of /proc/self/status (``VmRSS``: resident now, ``VmHWM``: peak)."""
@@ -179,30 +287,35 @@ def release_free_memory() -> None:
         pass
 
 
-def memory_probe(n: int, names: list[str]) -> None:
-    """Subprocess entry: print the peak extra RSS of one forward of each method at ``n``.
+def memory_probe(n: int, keys: list[str]) -> None:
+    """Subprocess entry: print the peak extra RSS of each ``mode:method`` key at ``n``.
 
     Writing 5 to /proc/self/clear_refs resets the kernel's peak-RSS mark (VmHWM) to the
-    current RSS, so VmHWM after a call is the peak during that call. Between methods,
-    freed memory is handed back to the OS, so that no method runs in memory a previous
-    one left resident. (``ru_maxrss`` would not do: on Linux it keeps the parent's RSS
-    across fork and exec, and it cannot be reset.)
+    current RSS, so VmHWM after a call is the peak during that call. Between calls, freed
+    memory is handed back to the OS, so that no call runs in memory a previous one left
+    resident. (``ru_maxrss`` would not do: on Linux it keeps the parent's RSS across fork
+    and exec, and it cannot be reset.) A training step's gradients count: they are
+    allocated during the call.
     """
     torch.set_num_threads(THREADS)
     methods = available_methods()
-    extra = {}
-    with torch.inference_mode():
-        for name in names:
-            methods[name](make_inputs(64, PUBLIC_NYSTROM in names))  # load kernels, libraries
-        inputs = make_inputs(n, PUBLIC_NYSTROM in names)
-        for name in names:
-            release_free_memory()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            before = status_bytes("VmRSS")
-            out = methods[name](inputs)
-            extra[name] = max(0, status_bytes("VmHWM") - before)
-            del out
+    pairs = [key.split(":", 1) for key in keys]
+    packed = any(name == NYSTROM_PKG for _, name in pairs)
+    tiny = make_inputs(64, packed)
+    for mode, name in pairs:
+        run_once(mode, methods[name], tiny)  # load kernels and libraries
+    del tiny
+    inputs = make_inputs(n, packed)
+    extra: dict[str, dict[str, int]] = {mode: {} for mode in MODES}
+    for mode, name in pairs:
+        for leaf in leaves(inputs):
+            leaf.grad = None
+        release_free_memory()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = status_bytes("VmRSS")
+        run_once(mode, methods[name], inputs)
+        extra[mode][name] = max(0, status_bytes("VmHWM") - before)
     print(json.dumps(extra))
 
 
@@ -219,24 +332,28 @@ def run_probe(args: list[str], env: dict | None = None) -> tuple[object, str | N
     return json.loads(done.stdout.strip().splitlines()[-1]), None
 
 
-def measure_memory(n: int, names: list[str]) -> dict:
-    """Peak extra MiB of one forward of each method at ``n``, from a fresh subprocess."""
-    extra, error = run_probe(["--memory-probe", str(n), *names])
-    if error is not None:
-        return {name: {"error": error} for name in names}
-    return {name: {"peak_extra_mib": value / 2**20} for name, value in extra.items()}
+def measure_memory(n: int, pairs: list[tuple[str, str]]) -> dict:
+    """Peak extra MiB of each (workload, method) at ``n``, from one fresh subprocess."""
+    extra, error = run_probe(["--memory-probe", str(n), *(f"{m}:{name}" for m, name in pairs)])
+    out: dict[str, dict] = {mode: {} for mode in MODES}
+    for mode, name in pairs:
+        out[mode][name] = ({"error": error} if error is not None
+                           else {"peak_extra_mib": extra[mode][name] / 2**20})
+    return out
 
 
-POLICY_METHODS = ["FAVOR+", "FAVOR+ causal", "floor (2 matmuls)"]
+# --- time -----------------------------------------------------------------------------------
+
+POLICY_METHODS = ["FAVOR+", "FAVOR+ causal", FLOOR]
 WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 POLICY_RATIOS = ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")  # reported for each policy
 
 
 def time_probe(n: int, repeats: int, names: list[str]) -> None:
-    """Subprocess entry: print the median times of ``names`` at ``n`` (methods taking turns)."""
+    """Subprocess entry: print the median forward times of ``names`` at ``n`` (taking turns)."""
     torch.set_num_threads(THREADS)
     methods = {name: method for name, method in available_methods().items() if name in names}
-    print(json.dumps(time_methods(methods, n, repeats, set())))
+    print(json.dumps(time_methods(methods, n, repeats, set(), modes=("forward",))["forward"]))
 
 
 def compare_wait_policies(n: int, repeats: int) -> dict:
@@ -257,112 +374,142 @@ def compare_wait_policies(n: int, repeats: int) -> dict:
     return out
 
 
-def time_methods(methods: dict, n: int, repeats: int, slow: set) -> dict:
-    """Median forward time of every method at ``n``, the methods taking turns.
+def time_methods(methods: dict, n: int, repeats: int, slow: set, modes=MODES) -> dict:
+    """Median time of every (workload, method) at ``n``, all of them taking turns.
 
     Calls slower than 2 s get 3 timed runs; calls slower than 10 s get one more run
     after the warm-up, and the warm-up counts as a sample (its one-off costs are
     milliseconds against tens of seconds).
     """
-    inputs = make_inputs(n, PUBLIC_NYSTROM in methods)
-    rounds: dict[str, int] = {}
-    times: dict[str, list[float]] = {}
-    results: dict[str, dict] = {}
-    with torch.inference_mode():
-        for name, method in methods.items():
-            reason = "slower than 60 s at a smaller n" if name in slow else skip_reason(name, n)
-            if reason:
-                results[name] = {"skipped": reason}
-                continue
-            start = time.perf_counter()
-            method(inputs)  # warm-up
-            warm = time.perf_counter() - start
-            times[name] = [warm] if warm > 10.0 else []
-            rounds[name] = repeats if warm < 2.0 else 3 if warm < 10.0 else 1
-            if warm > SLOW_CALL_S:
-                slow.add(name)
-        for r in range(max(rounds.values(), default=0)):
-            for name in rounds:
-                if r < rounds[name]:
-                    start = time.perf_counter()
-                    methods[name](inputs)
-                    times[name].append(time.perf_counter() - start)
-    for name, values in times.items():
-        results[name] = {"median_s": statistics.median(values), "times_s": values}
+    inputs = make_inputs(n, NYSTROM_PKG in methods)
+    rounds: dict[tuple, int] = {}
+    times: dict[tuple, list[float]] = {}
+    results: dict[str, dict] = {mode: {} for mode in modes}
+    for mode, name in tasks(methods, modes):
+        reason = ("slower than 60 s at a smaller n" if (mode, name) in slow
+                  else skip_reason(name, mode, n))
+        if reason:
+            results[mode][name] = {"skipped": reason}
+            continue
+        start = time.perf_counter()
+        run_once(mode, methods[name], inputs)  # warm-up
+        warm = time.perf_counter() - start
+        times[mode, name] = [warm] if warm > 10.0 else []
+        rounds[mode, name] = repeats if warm < 2.0 else 3 if warm < 10.0 else 1
+        if warm > SLOW_CALL_S:
+            slow.add((mode, name))
+    for r in range(max(rounds.values(), default=0)):
+        for (mode, name), count in rounds.items():
+            if r < count:
+                start = time.perf_counter()
+                run_once(mode, methods[name], inputs)
+                times[mode, name].append(time.perf_counter() - start)
+    for (mode, name), values in times.items():
+        results[mode][name] = {"median_s": statistics.median(values), "times_s": values}
     return results
 
 
+RATIO_PAIRS = {  # label: (numerator, denominator)
+    "FAVOR+ / floor": ("FAVOR+", FLOOR),
+    "FAVOR+ / SDPA": ("FAVOR+", "SDPA"),
+    "FAVOR+ causal / FAVOR+": ("FAVOR+ causal", "FAVOR+"),
+    "FAVOR+ causal / SDPA": ("FAVOR+ causal", "SDPA"),
+    "naive / SDPA": ("naive softmax", "SDPA"),
+    "linear / SDPA": ("linear (elu+1)", "SDPA"),
+    "banded / SDPA": ("banded (w=32)", "SDPA"),
+    "Nystrom / SDPA": ("Nystrom (64 landmarks)", "SDPA"),
+    "Nystrom / nystrom-attention pkg": ("Nystrom (64 landmarks)", NYSTROM_PKG),
+    "FAVOR+ / performer-pytorch": ("FAVOR+", PERFORMER_PKG),
+    "FAVOR+ causal / performer-pytorch causal": ("FAVOR+ causal", PERFORMER_PKG_CAUSAL),
+}
+
+
 def ratios(row: dict) -> dict:
+    """Ratios of median times of one workload at one n (only where both were timed)."""
     def t(name):
         return row.get(name, {}).get("median_s")
 
-    out = {}
-    pairs = {
-        "FAVOR+ / floor": ("FAVOR+", "floor (2 matmuls)"),
-        "FAVOR+ / SDPA": ("FAVOR+", "SDPA"),
-        "FAVOR+ causal / FAVOR+": ("FAVOR+ causal", "FAVOR+"),
-        "linear / SDPA": ("linear (elu+1)", "SDPA"),
-        "banded / SDPA": ("banded (w=32)", "SDPA"),
-        "Nystrom / SDPA": ("Nystrom (64 landmarks)", "SDPA"),
-        "Nystrom / nystrom-attention pkg": ("Nystrom (64 landmarks)", PUBLIC_NYSTROM),
-    }
-    for label, (a, b) in pairs.items():
-        if t(a) and t(b):
-            out[label] = t(a) / t(b)
-    return out
+    return {label: t(a) / t(b) for label, (a, b) in RATIO_PAIRS.items() if t(a) and t(b)}
+
+
+# --- report ---------------------------------------------------------------------------------
+
+TITLES = {"forward": "one forward call", "train": "one training step (forward + backward)"}
+
+
+def table(report: dict, header: str, cell) -> list[str]:
+    """One markdown table, a row per n and a column per method (``cell(row, name)``)."""
+    names = report["methods"]
+    lines = [header, "", "| n | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for n, row in report["results"].items():
+        lines.append(f"| {n} | " + " | ".join(cell(row, name) for name in names) + " |")
+    return lines + [""]
+
+
+def time_cell(mode):
+    def cell(row, name):
+        entry = row[mode]["time"].get(name)
+        if entry is None:
+            return "-"
+        return f"{1e3 * entry['median_s']:.1f}" if "median_s" in entry else "skipped"
+    return cell
+
+
+def memory_cell(mode):
+    def cell(row, name):
+        entry = row[mode].get("memory", {}).get(name, {})
+        return f"{entry['peak_extra_mib']:.0f}" if "peak_extra_mib" in entry else "-"
+    return cell
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    names = report["methods"]
+    loads = report["loadavg_start"], report["loadavg_end"]
     lines = [
-        "# Attention forward time and peak extra memory",
+        "# Attention time and peak extra memory: forward call and training step",
         "",
-        f"batch x heads = {BATCH_HEADS}, d = {HEAD_DIM}, float32, {THREADS} threads, "
-        f"m = {NUM_FEATURES} features. torch {report['torch']}, {report['machine']}. "
-        f"Load average (1 min) at start / end: {report['load_start']:.1f} / "
-        f"{report['load_end']:.1f}.",
+        f"Inputs (batch, heads, n, d) = ({BATCH}, {HEADS}, n, {HEAD_DIM}), float32, "
+        f"{THREADS} threads, m = {NUM_FEATURES} features. torch {report['torch']}, "
+        f"{report['machine']}. Load average (1, 5, 15 min) at start: "
+        f"{', '.join(f'{x:.1f}' for x in loads[0])}; at end: "
+        f"{', '.join(f'{x:.1f}' for x in loads[1])}.",
         "",
-        "## Median forward time (ms)",
+        "SDPA kernels (profiler): " + "; ".join(
+            f"{layout} {mode}: {', '.join(ops)}"
+            for layout, per_mode in report["sdpa_kernels"].items()
+            for mode, ops in per_mode.items()),
         "",
-        "| n | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
     ]
-    for n, row in report["results"].items():
-        cells = []
-        for name in names:
-            entry = row["time"].get(name, {})
-            cells.append(f"{1e3 * entry['median_s']:.1f}" if "median_s" in entry else "skipped")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", "## Peak extra memory of one forward (MiB)", "",
-              "| n | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for n, row in report["results"].items():
-        if not row.get("memory"):
-            continue
-        cells = []
-        for name in names:
-            entry = row.get("memory", {}).get(name, {})
-            cells.append(f"{entry['peak_extra_mib']:.0f}" if "peak_extra_mib" in entry else "-")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    labels = sorted({label for row in report["results"].values() for label in row["ratios"]})
-    lines += ["", "## Ratios of median times (same run, methods taking turns)", "",
-              "| n | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    for n, row in report["results"].items():
-        cells = [f"{row['ratios'][label]:.3f}" if label in row["ratios"] else "-"
-                 for label in labels]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    for mode in MODES:
+        lines += table(report, f"## Median time of {TITLES[mode]} (ms)", time_cell(mode))
+    for mode in MODES:
+        if any(row[mode].get("memory") for row in report["results"].values()):
+            lines += table(report, f"## Peak extra memory of {TITLES[mode]} (MiB)",
+                           memory_cell(mode))
+    for mode in MODES:
+        labels = [label for label in RATIO_PAIRS
+                  if any(label in row[mode]["ratios"] for row in report["results"].values())]
+        lines += [f"## Ratios of median times, {TITLES[mode]} (same run, taking turns)", "",
+                  "| n | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for n, row in report["results"].items():
+            cells = [f"{row[mode]['ratios'][label]:.3f}" if label in row[mode]["ratios"]
+                     else "-" for label in labels]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append("")
     if report.get("targets"):
-        lines += ["", f"## Targets at n = {TARGET_N}", "", "| quantity | measured | target | met |",
-                  "|---|---|---|---|"]
+        lines += [f"## Targets at n = {TARGET_N} (forward)", "",
+                  "| quantity | measured | target | met |", "|---|---|---|---|"]
         for label, entry in report["targets"].items():
             lines.append(f"| {label} | {entry['measured']:.3f} | <= {entry['limit']} | "
                          f"{'yes' if entry['met'] else 'NO'} |")
+        lines.append("")
     if report.get("wait_policies"):
-        lines += ["", f"## FAVOR+ at n = {TARGET_N} under each OpenMP wait policy", "",
-                  "Each policy timed in a fresh process (methods taking turns), one after the "
-                  "other. PASSIVE: idle threads sleep (the default of `make bench`, for shared "
-                  "machines); ACTIVE: they spin (close to an unset policy on an idle machine).",
-                  "", "| OMP_WAIT_POLICY | FAVOR+ (ms) | FAVOR+ causal (ms) | floor (ms) | "
-                  "FAVOR+ / floor | FAVOR+ causal / FAVOR+ |", "|---|---|---|---|---|---|"]
+        lines += [f"## FAVOR+ at n = {TARGET_N} under each OpenMP wait policy", "",
+                  "Each policy timed in a fresh process (forward calls taking turns), one after "
+                  "the other. PASSIVE: idle threads sleep (the default of `make bench`, for "
+                  "shared machines); ACTIVE: they spin (close to an unset policy on an idle "
+                  "machine).", "", "| OMP_WAIT_POLICY | FAVOR+ (ms) | FAVOR+ causal (ms) | "
+                  "floor (ms) | FAVOR+ / floor | FAVOR+ causal / FAVOR+ |",
+                  "|---|---|---|---|---|---|"]
         for policy, entry in report["wait_policies"].items():
             if "time" not in entry:
                 lines.append(f"| {policy} | {entry.get('error', 'failed')} | | | | |")
@@ -372,41 +519,42 @@ def write_markdown(report: dict, path: Path) -> None:
             cells += [f"{entry['ratios'].get(label, float('nan')):.3f}"
                       for label in POLICY_RATIOS]
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+        lines.append("")
     skipped = sorted({
-        f"{name} at n = {n}: {entry['skipped']}"
-        for n, row in report["results"].items()
-        for name, entry in row["time"].items()
-        if "skipped" in entry
+        f"{name}, {mode}, at n = {n}: {entry['skipped']}"
+        for n, row in report["results"].items() for mode in MODES
+        for name, entry in row[mode]["time"].items() if "skipped" in entry
     })
     if skipped:
-        lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
-    if report["notes"]:
-        lines += ["", "Notes:", ""] + [f"- {s}" for s in report["notes"]]
+        lines += ["Skipped:", ""] + [f"- {s}" for s in skipped] + [""]
+    lines += ["Public implementations:", ""]
+    lines += [f"- {name}: {note}" for name, note in report["peers"].items()] + [""]
+    lines += ["Notes:", ""] + [f"- {s}" for s in report["notes"]]
     path.write_text("\n".join(lines) + "\n")
 
 
 TARGET_N = 8192
-TARGETS = {  # label: (ratio label or memory method, limit)
+TARGETS = {  # label: (forward ratio label or memory method, limit)
     "FAVOR+ / floor": ("FAVOR+ / floor", 2.5),
-    "FAVOR+ / SDPA": ("FAVOR+ / SDPA", 0.1),
     "FAVOR+ causal / FAVOR+": ("FAVOR+ causal / FAVOR+", 3.0),
     "FAVOR+ peak extra memory (MiB)": ("FAVOR+", 150),
-    "banded / SDPA": ("banded / SDPA", 0.05),
     "Nystrom / nystrom-attention pkg": ("Nystrom / nystrom-attention pkg", 1.0),
+    "FAVOR+ / performer-pytorch": ("FAVOR+ / performer-pytorch", 1.0),
 }
 
 
 def check_targets(report: dict) -> dict:
-    """The project's targets at n = 8192, measured in this run (empty if n not run)."""
+    """The project's targets at n = 8192, forward, measured in this run (empty if not run)."""
     row = report["results"].get(str(TARGET_N))
     if row is None:
         return {}
     measured = {}  # label -> (value, limit)
     for label, (key, limit) in TARGETS.items():
         if label.endswith("(MiB)"):
-            measured[label] = (row.get("memory", {}).get(key, {}).get("peak_extra_mib"), limit)
+            entry = row["forward"].get("memory", {}).get(key, {})
+            measured[label] = (entry.get("peak_extra_mib"), limit)
         else:
-            measured[label] = (row["ratios"].get(key), limit)
+            measured[label] = (row["forward"]["ratios"].get(key), limit)
     for policy, entry in report.get("wait_policies", {}).items():
         measured[f"FAVOR+ / floor, OMP_WAIT_POLICY={policy} probe"] = (
             entry.get("ratios", {}).get("FAVOR+ / floor"), TARGETS["FAVOR+ / floor"][1])
@@ -420,27 +568,36 @@ def write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for name in report["methods"]:
-        points = [
-            (int(n), row["time"][name]["median_s"])
-            for n, row in report["results"].items()
-            if "median_s" in row["time"].get(name, {})
-        ]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            style = "--" if name.startswith("floor") else "-"
-            ax.loglog(xs, ys, style, marker="o", label=name)
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("median forward time (s)")
-    ax.set_title(
-        f"Attention forward, CPU {THREADS} threads, batch x heads {BATCH_HEADS}, d {HEAD_DIM}"
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for ax, mode in zip(axes, MODES, strict=True):
+        for name in report["methods"]:
+            points = [(int(n), row[mode]["time"][name]["median_s"])
+                      for n, row in report["results"].items()
+                      if "median_s" in row[mode]["time"].get(name, {})]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                style = "--" if name.startswith("floor") else ":" if "pkg" in name or (
+                    "pytorch" in name) else "-"
+                ax.loglog(xs, ys, style, marker="o", ms=3, label=name)
+        ax.set_xlabel("sequence length n")
+        ax.set_title(f"{TITLES[mode]}, (1, {HEADS}, n, {HEAD_DIM}), CPU {THREADS} threads")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("median time (s)")
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def print_row(n: int, row: dict) -> None:
+    for mode in MODES:
+        for name, entry in row[mode]["time"].items():
+            shown = f"{1e3 * entry['median_s']:9.1f} ms" if "median_s" in entry else "  skipped"
+            memory = row[mode].get("memory", {}).get(name, {}).get("peak_extra_mib")
+            extra = f"  {memory:8.1f} MiB" if memory is not None else ""
+            print(f"    {mode:8s}{name:40s}{shown}{extra}", flush=True)
+        for label, value in row[mode]["ratios"].items():
+            print(f"    {mode:8s}{label:40s}{value:9.3f}", flush=True)
 
 
 def main() -> None:
@@ -450,7 +607,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed calls per method (default 5)")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
-    parser.add_argument("--memory-probe", nargs="+", help=argparse.SUPPRESS)  # N METHOD...
+    parser.add_argument("--memory-probe", nargs="+", help=argparse.SUPPRESS)  # N MODE:METHOD...
     parser.add_argument("--time-probe", nargs="+", help=argparse.SUPPRESS)  # N REPEATS METHOD...
     args = parser.parse_args()
     if args.memory_probe:
@@ -462,43 +619,57 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     repeats = args.repeats or (3 if args.quick else 5)
-    methods = available_methods()
+    peers, peer_notes = peer_methods()
+    methods = {**METHODS, **peers}
+    kernels = {"4-D (benchmark)": sdpa_kernels((BATCH, HEADS, 64, HEAD_DIM)),
+               "3-D (not used)": sdpa_kernels((BATCH * HEADS, 64, HEAD_DIM))}
+    check_sdpa_is_fused(kernels)
     began = time.perf_counter()
     report = {
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "threads": THREADS,
-        "shape": [BATCH_HEADS, "n", HEAD_DIM],
+        "shape": [BATCH, HEADS, "n", HEAD_DIM],
         "num_features": NUM_FEATURES,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "cpu_count": os.cpu_count(),
         "load_start": os.getloadavg()[0],
+        "loadavg_start": list(os.getloadavg()),
+        "sdpa_kernels": kernels,
+        "sdpa_memory_checks": [],
+        "modes": list(MODES),
         "methods": list(methods),
+        "peers": peer_notes,
         "results": {},
         "notes": [
             f"time: median of {repeats} calls after a warm-up (3 for calls slower than 2 s; "
-            "for calls slower than 10 s, the warm-up and one more call)",
+            "for calls slower than 10 s, the warm-up and one more call); every workload and "
+            "method of one n taking turns",
+            "forward: one call under torch.inference_mode(); train: forward and backward of "
+            "a fixed random output gradient, inputs q, k, v with requires_grad",
             "memory: peak RSS (VmHWM) of a fresh process during one call minus its RSS before",
-            "naive softmax (~3 n x n float32 buffers) and SDPA (~2.25, measured on this CPU) "
-            "are skipped where those would exceed 8 GiB",
+            "skipped where the estimated buffers would exceed 8 GiB: naive softmax (3 n x n "
+            "float32 buffers per head forward, 7 in a training step), performer-pytorch's "
+            "causal fallback (1.2 n x m x d buffers per head forward, 4.5 in training)",
+            "SDPA must take a fused kernel (profiler op names) and stay below half an "
+            "n x n float32 matrix per head of extra memory from n = 2048 on, or the run stops",
         ],
     }
-    slow: set[str] = set()
+    slow: set[tuple] = set()
     for n in sizes:
         print(f"n = {n}: timing ...", flush=True)
-        row = {"time": time_methods(methods, n, repeats, slow)}
-        row["ratios"] = ratios(row["time"])
+        timed = time_methods(methods, n, repeats, slow)
+        row = {mode: {"time": timed[mode], "ratios": ratios(timed[mode])} for mode in MODES}
         if not args.no_memory and (not args.quick or n == sizes[-1]):  # quick: largest n
             print(f"n = {n}: memory ...", flush=True)
-            timed = [name for name, entry in row["time"].items() if "median_s" in entry]
-            row["memory"] = measure_memory(n, timed)
+            pairs = [(mode, name) for mode in MODES for name, entry in timed[mode].items()
+                     if "median_s" in entry]
+            memory = measure_memory(n, pairs)
+            for mode in MODES:
+                row[mode]["memory"] = memory[mode]
+            report["sdpa_memory_checks"] += check_sdpa_memory(n, memory)
         report["results"][str(n)] = row
-        for name, entry in row["time"].items():
-            shown = f"{1e3 * entry['median_s']:9.1f} ms" if "median_s" in entry else "  skipped"
-            memory = row.get("memory", {}).get(name, {}).get("peak_extra_mib")
-            extra = f"  {memory:8.1f} MiB" if memory is not None else ""
-            print(f"    {name:24s}{shown}{extra}", flush=True)
-        for label, value in row["ratios"].items():
-            print(f"    {label:24s}{value:9.3f}", flush=True)
+        print_row(n, row)
     if str(TARGET_N) in report["results"]:
         print(f"n = {TARGET_N}: FAVOR+ and the floor under each OpenMP wait policy ...",
               flush=True)
@@ -509,6 +680,7 @@ def main() -> None:
                 shown = f"{value:9.3f}" if value is not None else entry.get("error", "-")
                 print(f"    {policy:8s}{label:24s}{shown}", flush=True)
     report["load_end"] = os.getloadavg()[0]
+    report["loadavg_end"] = list(os.getloadavg())
     report["targets"] = check_targets(report)
     for label, entry in report["targets"].items():
         verdict = "met" if entry["met"] else "MISSED"

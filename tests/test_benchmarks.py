@@ -42,21 +42,53 @@ def attention_speed():
     return module
 
 
-def test_attention_speed_quick_run_writes_every_method(tmp_path):
+LIBRARY_METHODS = ["naive softmax", "SDPA", "linear (elu+1)", "FAVOR+", "FAVOR+ causal",
+                   "Nystrom (64 landmarks)", "banded (w=32)"]
+
+
+def test_attention_speed_quick_run_times_forward_and_training_step(tmp_path):
     _run("attention_speed.py", tmp_path, "--sizes", "256", "512")
     report = _load(tmp_path, "attention_speed.json")
     assert list(report["results"]) == ["256", "512"]
-    expected = ["SDPA", "FAVOR+", "FAVOR+ causal", "floor (2 matmuls)", "linear (elu+1)",
-                "Nystrom (64 landmarks)", "banded (w=32)"]
+    assert report["shape"] == [1, 8, "n", 64]  # 4-D, the layout that reaches the fused kernel
+    assert len(report["loadavg_start"]) == 3 and len(report["loadavg_end"]) == 3
     for n, row in report["results"].items():
-        for name in expected:
-            assert row["time"][name]["median_s"] > 0, (n, name)
-        assert row["ratios"]["FAVOR+ / floor"] > 0 and row["ratios"]["banded / SDPA"] > 0
-    # quick mode probes memory at the largest n only
-    assert report["results"]["512"]["memory"]["FAVOR+"]["peak_extra_mib"] >= 0
-    assert "memory" not in report["results"]["256"]
+        for mode in ("forward", "train"):
+            for name in LIBRARY_METHODS:
+                assert row[mode]["time"][name]["median_s"] > 0, (n, mode, name)
+            assert row[mode]["ratios"]["FAVOR+ / SDPA"] > 0
+        assert row["forward"]["time"]["floor (2 matmuls)"]["median_s"] > 0
+        assert "floor (2 matmuls)" not in row["train"]["time"]  # nothing to differentiate
+    # quick mode probes memory at the largest n only, for both workloads
+    for mode in ("forward", "train"):
+        assert report["results"]["512"][mode]["memory"]["SDPA"]["peak_extra_mib"] >= 0
+        assert "memory" not in report["results"]["256"][mode]
+    assert any("flash" in op for op in report["sdpa_kernels"]["4-D (benchmark)"]["train"])
+    for name, note in report["peers"].items():  # every public peer is timed or says why not
+        assert note == "timed" or note.startswith("skipped:"), (name, note)
+        assert (name in report["methods"]) == (note == "timed")
     for suffix in ("md", "png"):
         assert (tmp_path / f"attention_speed.{suffix}").stat().st_size > 0
+
+
+def test_sdpa_check_accepts_4d_and_rejects_the_3d_fallback(attention_speed):
+    fused = attention_speed.sdpa_kernels((1, 2, 32, 8))
+    unfused = attention_speed.sdpa_kernels((2, 32, 8))
+    assert all(attention_speed.is_fused(ops) for ops in fused.values()), fused
+    assert not any(attention_speed.is_fused(ops) for ops in unfused.values()), unfused
+    attention_speed.check_sdpa_is_fused({"4-D (benchmark)": fused})  # passes
+    with pytest.raises(SystemExit, match="no fused kernel"):
+        attention_speed.check_sdpa_is_fused({"4-D (benchmark)": unfused})
+
+
+def test_sdpa_memory_check_stops_on_quadratic_memory(attention_speed):
+    n = 4096
+    one_matrix_per_head = 8 * n * n * 4 / 2**20  # MiB: what an unfused kernel keeps at least
+    linear = {mode: {"SDPA": {"peak_extra_mib": 40.0}} for mode in ("forward", "train")}
+    assert len(attention_speed.check_sdpa_memory(n, linear)) == 2
+    quadratic = {"forward": {"SDPA": {"peak_extra_mib": one_matrix_per_head}}}
+    with pytest.raises(SystemExit, match="fused kernel was not used"):
+        attention_speed.check_sdpa_memory(n, quadratic)
 
 
 def test_wait_policy_probe_times_both_policies_in_fresh_processes(attention_speed):
@@ -70,25 +102,31 @@ def test_wait_policy_probe_times_both_policies_in_fresh_processes(attention_spee
 
 def test_targets_include_each_wait_policy(attention_speed):
     report = {
-        "results": {"8192": {"ratios": {"FAVOR+ / floor": 3.0, "FAVOR+ / SDPA": 0.05},
-                             "memory": {"FAVOR+": {"peak_extra_mib": 40.0}}}},
+        "results": {"8192": {"forward": {
+            "ratios": {"FAVOR+ / floor": 3.0, "FAVOR+ causal / FAVOR+": 1.7},
+            "memory": {"FAVOR+": {"peak_extra_mib": 40.0}}}}},
         "wait_policies": {"PASSIVE": {"ratios": {"FAVOR+ / floor": 3.5}},
                           "ACTIVE": {"ratios": {"FAVOR+ / floor": 2.2}}},
     }
     targets = attention_speed.check_targets(report)
     assert targets["FAVOR+ / floor"] == {"measured": 3.0, "limit": 2.5, "met": False}
-    assert targets["FAVOR+ / SDPA"]["met"] is True
+    assert targets["FAVOR+ causal / FAVOR+"]["met"] is True
     assert targets["FAVOR+ peak extra memory (MiB)"]["met"] is True
     assert targets["FAVOR+ / floor, OMP_WAIT_POLICY=PASSIVE probe"]["met"] is False
     assert targets["FAVOR+ / floor, OMP_WAIT_POLICY=ACTIVE probe"]["met"] is True
-    assert "banded / SDPA" not in targets  # not measured: no row rather than a false verdict
+    assert "FAVOR+ / performer-pytorch" not in targets  # not measured: no row, no false verdict
 
 
 def test_committed_speed_results_have_what_the_chapter_reads():
     report = _load(COMMITTED, "attention_speed.json")
-    assert "8192" in report["results"]
+    assert "8192" in report["results"] and report["shape"] == [1, 8, "n", 64]
     assert set(report["wait_policies"]) == {"PASSIVE", "ACTIVE"}
-    assert all(name in report["methods"] for name in ("SDPA", "FAVOR+", "floor (2 matmuls)"))
+    assert all(name in report["methods"] for name in LIBRARY_METHODS)
+    for mode in ("forward", "train"):
+        assert "flash" in " ".join(report["sdpa_kernels"]["4-D (benchmark)"][mode])
+        for name in LIBRARY_METHODS:
+            assert "median_s" in report["results"]["8192"][mode]["time"][name] or \
+                name == "naive softmax", (mode, name)
 
 
 def test_train_models_quick_run_matches_the_committed_structure(tmp_path):
