@@ -6,8 +6,8 @@ each attention of ``ea.ATTENTION_KINDS`` (softmax, linear, performer, nystrom, f
 - associative recall (``ea.AssociativeRecall``, 16 facts of one token each, then a query
   key, ``n = 17``): find the value stored with the queried key, a *content*-based look-up
   (chance 1/16);
-- copying (``ea.CopyTask``, 64 symbols, ``n = 129``): repeat the first half after a
-  separator, a *position*-based look-up ``L + 1 = 65`` tokens back (chance 1/8);
+- copying (``ea.CopyTask``, 64 positions of 8 symbols, ``n = 129``): repeat the first
+  half after a separator, a *position*-based look-up ``L + 1 = 65`` tokens back (chance 1/8);
 
 in encoder (bidirectional) and in causal (decoder) mode. Nystrom attention has no
 causal form (its segment-mean landmarks mix past and future), so it is trained in
