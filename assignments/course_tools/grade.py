@@ -141,7 +141,8 @@ def write_csv(records: list, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("assignment")
-    parser.add_argument("--course", default=str(COURSE), help="course folder (default: %(default)s)")
+    parser.add_argument("--course", default=str(COURSE),
+                        help="course folder (default: %(default)s)")
     parser.add_argument("--timeout", type=int, help="per-cell time limit (default: the config's)")
     parser.add_argument("--csv", help="CSV path (default: <course>/grades/<assignment>.csv)")
     args = parser.parse_args(argv)

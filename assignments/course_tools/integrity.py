@@ -91,6 +91,27 @@ def fingerprint(source: str) -> str:
     return hashlib.sha256(source.strip().encode()).hexdigest()[:16]
 
 
+def _without_hidden_tests(source: str) -> str:
+    kept, hidden = [], False
+    for line in source.splitlines():
+        if "BEGIN HIDDEN TESTS" in line:
+            hidden = True
+        elif "END HIDDEN TESTS" in line:
+            hidden = False
+        elif not hidden:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def trusted_fingerprints(nb) -> set[str]:
+    """Fingerprints of the instructor's code cells of a source notebook (not the answers),
+    as in the source and as in the student release (hidden tests removed)."""
+    sources = [_source(c) for c in nb["cells"]
+               if c.get("cell_type") == "code" and not _meta(c).get("solution")]
+    return {fingerprint(s) for s in sources} | {
+        fingerprint(_without_hidden_tests(s)) for s in sources}
+
+
 def _dotted(node: ast.AST) -> str | None:
     parts = []
     while isinstance(node, ast.Attribute):
@@ -371,8 +392,7 @@ def course_catalogue(course: str | Path) -> dict:
         rules = load_rules(path.stem, course / "rules")
         rules["grade_ids"] = sorted(_meta(c)["grade_id"] for c in nb["cells"]
                                     if _meta(c).get("grade_id"))
-        rules["trusted"] = sorted({fingerprint(_source(c)) for c in nb["cells"] if c.get(
-            "cell_type") == "code" and not _meta(c).get("solution")})
+        rules["trusted"] = sorted(trusted_fingerprints(nb))
         catalogue[path.stem] = rules
     return catalogue
 

@@ -159,8 +159,7 @@ class IntegrityCheck(CourseStep):
         rules = integrity.load_rules(resources["nbgrader"]["assignment"], root / self.rules_dir)
         trusted = None
         if source is not None:
-            trusted = {integrity.fingerprint(c.source) for c in source.cells
-                       if c.cell_type == "code" and not _meta(c).get("solution")}
+            trusted = integrity.trusted_fingerprints(source)
         for index, problems in integrity.check_notebook(nb, rules, trusted).items():
             description = integrity.describe(nb, index, problems)
             nb.cells[index].source = integrity.rejected_source(description)
