@@ -107,7 +107,9 @@ def write_list(entries: list[tuple[str, str, str, float]], path: Path) -> None:
     else:
         lines += ["", "The integrity check, to run on your notebook before you submit it: "
                   "{download}`check_notebook.py </book/_downloads/assignments/check_notebook.py>` "
-                  "(`python check_notebook.py <name>.ipynb`)."]
+                  "(`python check_notebook.py <name>.ipynb`). The packages you need, and "
+                  "nothing that solves a part: {download}`student-requirements.txt "
+                  "</book/_downloads/assignments/student-requirements.txt>`."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(release, OUT / f"{name}.ipynb")
             entries.append((name, *describe(nbformat.read(release, as_version=4))))
     write_checker(OUT / "check_notebook.py")
+    shutil.copy(COURSE / "student-requirements.txt", OUT / "student-requirements.txt")
     write_list(entries, OUT / "list.md")
     print(f"released {len(entries)} assignment(s) to {OUT}: {', '.join(names)}")
     return 0

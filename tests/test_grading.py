@@ -453,6 +453,18 @@ def test_config_timeout_and_paths():
     assert config.Execute.interrupt_on_timeout is True
     assert Path(config.CourseDirectory.root) == COURSE
     assert config.CourseDirectory.db_url == f"sqlite:///{COURSE / 'gradebook.db'}"
+    # the exchange is a folder the instructor names (default inside the course), never
+    # nbgrader's /usr/local/share/nbgrader/exchange
+    assert config.Exchange.root == os.environ.get("NBGRADER_EXCHANGE", str(COURSE / "exchange"))
+    # the course's steps are in nbgrader's pipeline, in order
+    sanitize = [cls.__name__ for cls in config.Autograde.sanitize_preprocessors]
+    assert sanitize.index("RepairCells") < sanitize.index("OverwriteCells") < sanitize.index(
+        "IntegrityCheck")
+    assert config.Autograde.autograde_preprocessors[0].__name__ == "GuardedExecute"
+    feedback = [cls.__name__ for cls in config.GenerateFeedback.preprocessors]
+    assert feedback.index("HideHiddenTestOutputs") < feedback.index("ClearHiddenTests")
+    assert callable(config.Execute.on_notebook_start)
+    assert config.ZipCollectApp.collector_plugin.endswith("FileNameCollectorPlugin")
 
 
 def test_time_budget(graded):

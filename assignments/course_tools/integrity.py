@@ -91,7 +91,7 @@ def fingerprint(source: str) -> str:
     return hashlib.sha256(source.strip().encode()).hexdigest()[:16]
 
 
-def _without_hidden_tests(source: str) -> str:
+def without_hidden_tests(source: str) -> str:
     kept, hidden = [], False
     for line in source.splitlines():
         if "BEGIN HIDDEN TESTS" in line:
@@ -109,7 +109,7 @@ def trusted_fingerprints(nb) -> set[str]:
     sources = [_source(c) for c in nb["cells"]
                if c.get("cell_type") == "code" and not _meta(c).get("solution")]
     return {fingerprint(s) for s in sources} | {
-        fingerprint(_without_hidden_tests(s)) for s in sources}
+        fingerprint(without_hidden_tests(s)) for s in sources}
 
 
 def _dotted(node: ast.AST) -> str | None:

@@ -24,6 +24,7 @@ Every step writes what it did to ``grading_reports/<assignment>/<student>/<noteb
 
 from __future__ import annotations
 
+import ast
 import builtins
 import copy
 import json
@@ -92,6 +93,8 @@ class RepairCells(CourseStep):
             return nb, resources
         order = [_meta(c)["grade_id"] for c in source.cells if _meta(c).get("grade_id")]
         truth = {_meta(c)["grade_id"]: c for c in source.cells if _meta(c).get("grade_id")}
+        locked = integrity.trusted_fingerprints(nbformat.v4.new_notebook(cells=[
+            c for c in source.cells if _meta(c).get("locked") and c.cell_type == "code"]))
         last = {}
         for index, cell in enumerate(nb.cells):
             grade_id = _meta(cell).get("grade_id")
@@ -103,6 +106,10 @@ class RepairCells(CourseStep):
             grade_id = meta.get("grade_id")
             if "nbgrader" in cell.get("metadata", {}) and grade_id not in truth:
                 del cell.metadata["nbgrader"]
+                if cell.cell_type == "code" and integrity.fingerprint(cell.source) in locked:
+                    self.report(resources, "repaired", f"removed cell {index + 1}, a copy of a "
+                                f"read-only cell with the unknown grade id {grade_id!r}")
+                    continue
                 self.report(resources, "repaired", f"cell {index + 1} had the unknown grade id "
                             f"{grade_id!r} (edited?): graded as a plain cell")
             elif grade_id in truth:
@@ -228,6 +235,20 @@ KNOWN_ERRORS = {name for name in dir(builtins) if isinstance(getattr(builtins, n
     "LinAlgError", "_LinAlgError", "OutOfMemoryError"}
 
 
+def _is_rejected_cell(source: str) -> bool:
+    """True for exactly the source IntegrityCheck writes (a student cannot imitate it to keep
+    its outputs: any other text differs)."""
+    last = source.rstrip().splitlines()[-1] if source.strip() else ""
+    prefix = "raise IntegrityError("
+    if not last.startswith(prefix):
+        return False
+    try:
+        description = ast.literal_eval(last[len(prefix):-1])
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(description, str) and source == integrity.rejected_source(description)
+
+
 def _error(ename: str, text: str) -> NotebookNode:
     return nbformat.v4.new_output("error", ename=ename, evalue="", traceback=[text])
 
@@ -243,17 +264,18 @@ class HideHiddenTestOutputs(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
         hidden_seen = False
         for cell in nb.cells:
+            meta = _meta(cell)
+            is_test = cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
+            if not is_test and "HIDDEN TESTS" in cell.source:  # ClearHiddenTests would fail
+                cell.source = integrity.without_hidden_tests(cell.source)
             if cell.cell_type != "code":
                 continue
-            meta = _meta(cell)
-            is_test = meta.get("grade") and not meta.get("solution")
             hidden = is_test and "BEGIN HIDDEN TESTS" in cell.source
             hidden_seen = hidden_seen or hidden
             if is_test and not hidden:
                 continue  # visible tests keep their messages
-            if not hidden_seen or cell.source.startswith(
-                    ("# The course's integrity check", "# The grader stopped")):
-                continue
+            if not hidden_seen or _is_rejected_cell(cell.source):
+                continue  # before any hidden test, or our own message: shown in full
             errors = [o for o in cell.outputs if o.output_type == "error"]
             failed_by_stderr = any(o.output_type == "stream" and o.name == "stderr"
                                    for o in cell.outputs)
