@@ -55,12 +55,11 @@ c.Execute.interrupt_on_timeout = True
 # On a shared JupyterHub every user must see the same folder: see assignments/README.md.
 c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", os.path.join(COURSE_ROOT, "exchange"))
 
-# zip_collect: submissions downloaded from an LMS as one archive (or a folder of files)
-# named like `<student id>_<anything>_<notebook>.ipynb` go into downloaded/<assignment>/archive/.
+# zip_collect: submissions downloaded from an LMS (one archive, or the files themselves) go
+# into downloaded/<assignment>/archive/, named `<student id>_<assignment>.ipynb` (a student
+# id has no underscore), e.g. `jdoe_argmax_attention.ipynb`; see assignments/README.md.
 c.ZipCollectApp.collector_plugin = "nbgrader.plugins.FileNameCollectorPlugin"
-c.FileNameCollectorPlugin.named_regexp = (
-    r"^(?P<student_id>[^_/]+)_(?:.*_)?(?P<file_id>[A-Za-z0-9_]+\.ipynb)$"
-)
+c.FileNameCollectorPlugin.named_regexp = r"^(?P<student_id>[^_]+)_(?P<file_id>.+)\.ipynb$"
 
 # The course's steps (course_tools/preprocessors.py): repair the cell metadata, apply the
 # integrity check after the read-only cells are restored, and execute so that a cell that

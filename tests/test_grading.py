@@ -51,7 +51,7 @@ NAMES = sorted(
 )
 # The battery uses a short per-cell time limit so the interrupt-proof loop costs seconds;
 # the course's own value (30 s) is checked separately in test_config_*.
-ROBUSTNESS_TIMEOUT_S = 15
+ROBUSTNESS_TIMEOUT_S = 10
 TIMINGS: dict[str, float] = {}
 
 
@@ -115,7 +115,7 @@ def _students(name: str, source, release) -> dict:
     """{student: (notebook or text, test cells that must score 0 (None: all), notes)}."""
     offset = NAMES.index(name) * 3  # each assignment tries other attacks first
     cheater, lost, attacks, warned = common.cheater(source, offset)
-    broken, broken_lost, edits = common.broken(source)
+    broken, broken_lost, edits = common.broken(source, NAMES.index(name))
     students = {
         "solution": (source, set(), {}),
         "blank": (release, None, {}),
@@ -413,13 +413,14 @@ def _html_text(path: Path) -> str:
 def test_feedback_hides_hidden_tests(graded):
     """Feedback shows visible tests and scores; no hidden line, message or printed input."""
     course, name, source = graded["course"], graded["name"], graded["source"]
-    hidden, visible = set(), set()
+    hidden, visible, public = set(), set(), set()
     for cell in source.cells:
+        inside, outside = _regions(cell.source)
+        public |= set(outside)
         if _is_autograded_test(cell):
-            inside, outside = _regions(cell.source)
             hidden |= {line for line in inside if len(line) >= 8}
             visible |= {line for line in outside if len(line) >= 8}
-    hidden -= visible
+    hidden -= public  # a hidden line that also occurs outside any hidden region proves nothing
     for student in ("solution", "cheater", "broken"):
         text = _html_text(course / "feedback" / student / name / f"{name}.html")
         lines = {line.strip() for line in text.splitlines()}

@@ -40,6 +40,8 @@ from traitlets import Integer, Unicode
 from . import integrity
 
 REPORTS = "grading_reports"
+# The nbgrader metadata that decides how a cell is graded (taken from the source notebook).
+GRADING_FLAGS = ("grade", "grade_id", "locked", "points", "solution", "task", "schema_version")
 
 
 def _meta(cell) -> dict:
@@ -93,7 +95,7 @@ class RepairCells(CourseStep):
             return nb, resources
         order = [_meta(c)["grade_id"] for c in source.cells if _meta(c).get("grade_id")]
         truth = {_meta(c)["grade_id"]: c for c in source.cells if _meta(c).get("grade_id")}
-        locked = integrity.trusted_fingerprints(nbformat.v4.new_notebook(cells=[
+        read_only = integrity.trusted_fingerprints(nbformat.v4.new_notebook(cells=[
             c for c in source.cells if _meta(c).get("locked") and c.cell_type == "code"]))
         last = {}
         for index, cell in enumerate(nb.cells):
@@ -106,7 +108,7 @@ class RepairCells(CourseStep):
             grade_id = meta.get("grade_id")
             if "nbgrader" in cell.get("metadata", {}) and grade_id not in truth:
                 del cell.metadata["nbgrader"]
-                if cell.cell_type == "code" and integrity.fingerprint(cell.source) in locked:
+                if cell.cell_type == "code" and integrity.fingerprint(cell.source) in read_only:
                     self.report(resources, "repaired", f"removed cell {index + 1}, a copy of a "
                                 f"read-only cell with the unknown grade id {grade_id!r}")
                     continue
@@ -129,13 +131,14 @@ class RepairCells(CourseStep):
                         self.report(resources, "repaired", f"{grade_id} was turned into a "
                                     f"{cell.cell_type} cell: made {original.cell_type} again")
                         _set_type(cell, original.cell_type)
-                    restored = copy.deepcopy(original.metadata["nbgrader"])
-                    if "checksum" in meta:
-                        restored["checksum"] = meta["checksum"]
-                    if {k: v for k, v in meta.items() if k != "checksum"} != {
-                            k: v for k, v in restored.items() if k != "checksum"}:
+                    flags = {k: v for k, v in original.metadata["nbgrader"].items()
+                             if k in GRADING_FLAGS}
+                    if {k: meta.get(k) for k in GRADING_FLAGS if k in meta or k in flags} != {
+                            k: flags.get(k) for k in GRADING_FLAGS if k in meta or k in flags}:
                         self.report(resources, "repaired", f"{grade_id}: nbgrader metadata "
                                     "restored from the source")
+                    restored = {k: v for k, v in meta.items() if k not in GRADING_FLAGS}
+                    restored.update(flags)
                     cell.metadata["nbgrader"] = restored
                     seen.add(grade_id)
             cells.append(cell)
@@ -186,7 +189,7 @@ STOPPED = (
 class GuardedExecute(Execute):
     """nbgrader's Execute, which survives a cell that cannot be interrupted."""
 
-    max_stopped_cells = Integer(3, help="Cells that may be stopped before the notebook is "
+    max_stopped_cells = Integer(5, help="Cells that may be stopped before the notebook is "
                                         "given up (each costs one more run).").tag(config=True)
 
     def preprocess_cell(self, cell, resources, index):

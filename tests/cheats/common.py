@@ -85,7 +85,8 @@ def find(nb, gid):
 
 
 def _names(source: str) -> tuple[set[str], set[str]]:
-    """(top-level names the cell binds, names it reads anywhere)."""
+    """(top-level names the cell binds, names it reads from outside: every name loaded that
+    the cell binds nowhere, neither at top level nor as a local or an argument)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -97,8 +98,12 @@ def _names(source: str) -> tuple[set[str], set[str]]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
             bound |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
                       and isinstance(n.ctx, ast.Store)}
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return bound, used
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+             and isinstance(n.ctx, ast.Store)} | {a.arg for a in ast.walk(tree)
+                                                  if isinstance(a, ast.arg)}
+    loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+              and isinstance(n.ctx, ast.Load)}
+    return bound, loaded - local - bound
 
 
 def dependent_tests(nb, broken: set[str]) -> set[str]:
@@ -108,11 +113,13 @@ def dependent_tests(nb, broken: set[str]) -> set[str]:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        bound, used = _names(cell.source)
-        if grade_id(cell) in broken or used & tainted:
+        bound, free = _names(cell.source)
+        if grade_id(cell) in broken or free & tainted:
             tainted |= bound
             if is_test(cell):
                 lost.add(grade_id(cell))
+        else:
+            tainted -= bound  # rebound by a cell that works
     return lost
 
 
@@ -142,11 +149,11 @@ def cheater(source, offset: int = 0):
         cell.source += "\n\n" + snippet + "\n"
         used.append(kind)
         attacked.add(grade_id(cell))
-    lost = dependent_tests(nb, attacked)
+    lost = dependent_tests(source, attacked)
     last = cells[-1]
     if len(cells) > 2 and grade_id(last) not in attacked:
         last.source += "\n\n\n" + RUNTIME_TAMPER + "\n"
-        lost |= checked_tests_after(nb, grade_id(last))
+        lost |= checked_tests_after(source, grade_id(last))
         used.append("runtime-tamper")
     warned = first_function(cells[0].source)
     if warned:
@@ -154,7 +161,7 @@ def cheater(source, offset: int = 0):
     return nb, lost, used, warned
 
 
-def broken(source):
+def broken(source, offset: int = 0):
     """An interrupt-proof loop, a syntax error, and test cells duplicated, renamed,
     re-typed and deleted (with the grader-tools cell deleted too).
 
@@ -163,7 +170,12 @@ def broken(source):
     nb = copy.deepcopy(source)
     cells, test_cells = answers(nb), tests(nb)
     done = []
-    loop_cell = cells[-1]
+    # the loop goes into the function the fewest other cells call (each call site that
+    # ignores the interrupt costs one time limit and one more run of the notebook)
+    candidates = [c for c in cells[2:] or cells if first_function(c.source)]
+    loop_cell = min(candidates, key=lambda c: sum(
+        first_function(c.source) in _names(other.source)[1] for other in nb.cells
+        if other.cell_type == "code"))
     name = first_function(loop_cell.source)
     body = loop_cell.source.split(f"def {name}(", 1)
     head, rest = body[0], body[1]
@@ -177,10 +189,12 @@ def broken(source):
         cells[1].source += "\n\ndef broken(:\n    pass\n"
         broken_cells.add(grade_id(cells[1]))
         done.append(f"syntax error in {grade_id(cells[1])}")
-    lost = dependent_tests(nb, broken_cells)
+    lost = dependent_tests(source, broken_cells)
     intact = [c for c in test_cells if grade_id(c) not in lost]
-    edits = ["duplicate", "rename", "retype", "delete"]
+    edits = ["delete", "rename", "duplicate", "retype"]
+    edits = edits[offset % 4:] + edits[:offset % 4]  # assignments with few tests vary them
     for edit, cell in zip(edits, intact, strict=False):
+        done.append(f"{edit} {grade_id(cell)}")
         if edit == "duplicate":
             nb.cells.insert(nb.cells.index(cell) + 1, copy.deepcopy(cell))
         elif edit == "rename":
@@ -191,7 +205,6 @@ def broken(source):
             cell.pop("execution_count", None)
         else:
             nb.cells.remove(cell)
-        done.append(f"{edit} {grade_id(cell)}")
     nb.cells.remove(find(nb, "grader-tools"))
     done.append("delete grader-tools")
     return nb, lost, done
