@@ -59,7 +59,10 @@ c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", os.path.join(COURSE_ROOT, 
 # into downloaded/<assignment>/archive/, named `<student id>_<assignment>.ipynb` (a student
 # id has no underscore), e.g. `jdoe_argmax_attention.ipynb`; see assignments/README.md.
 c.ZipCollectApp.collector_plugin = "nbgrader.plugins.FileNameCollectorPlugin"
-c.FileNameCollectorPlugin.named_regexp = r"^(?P<student_id>[^_]+)_(?P<file_id>.+)\.ipynb$"
+# (the plugin matches the whole path of each extracted file)
+c.FileNameCollectorPlugin.named_regexp = (
+    r"^(?:.*/)?(?P<student_id>[^_/]+)_(?P<file_id>[^/]+)\.ipynb$"
+)
 
 # The course's steps (course_tools/preprocessors.py): repair the cell metadata, apply the
 # integrity check after the read-only cells are restored, and execute so that a cell that
