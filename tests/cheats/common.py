@@ -185,10 +185,15 @@ def broken(source, offset: int = 0):
         rest[signature_end:]
     done.append(f"loop in {name}")
     broken_cells = {grade_id(loop_cell)}
-    if len(cells) > 2:
-        cells[1].source += "\n\ndef broken(:\n    pass\n"
-        broken_cells.add(grade_id(cells[1]))
-        done.append(f"syntax error in {grade_id(cells[1])}")
+    # the syntax error goes where it does not keep the loop from being reached
+    looping_tests = dependent_tests(source, {grade_id(loop_cell)})
+    for cell in cells:
+        if cell is not loop_cell and not dependent_tests(source, {grade_id(cell)}) & (
+                looping_tests):
+            cell.source += "\n\ndef broken(:\n    pass\n"
+            broken_cells.add(grade_id(cell))
+            done.append(f"syntax error in {grade_id(cell)}")
+            break
     lost = dependent_tests(source, broken_cells)
     intact = [c for c in test_cells if grade_id(c) not in lost]
     edits = ["delete", "rename", "duplicate", "retype"]
