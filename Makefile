@@ -16,12 +16,13 @@ export OMP_WAIT_POLICY ?= PASSIVE
 CHAPTERS := $(wildcard book/*.ipynb)
 SOURCES  := $(wildcard assignments/source/*/*.ipynb)
 
-.PHONY: help setup book test lint unit notebooks grading browser bench serve clean
+.PHONY: help setup book test lint unit notebooks grading grade browser bench serve clean
 
 help:
 	@echo "make book      build the Jupyter Book into _build/html (creates .venv on first use)"
 	@echo "make test      lint, unit tests, notebook validation, grading pipeline, book build, browser test"
 	@echo "make lint | unit | notebooks | grading | browser   one part of 'make test'"
+	@echo "make grade ASSIGNMENT=name   autograde every collected submission, table + CSV"
 	@echo "make bench     rerun the benchmarks behind the comparison chapter (slow)"
 	@echo "make serve     serve the built book on http://127.0.0.1:8000"
 	@echo "make clean     remove the build, caches and nbgrader's generated folders"
@@ -56,6 +57,12 @@ notebooks: $(STAMP)
 grading: $(STAMP)
 	$(BIN)/pytest -q tests/test_grading.py
 
+# The instructor's one command: autograde every submission under assignments/submitted/*/NAME,
+# print a table per student and write assignments/grades/NAME.csv (see assignments/README.md).
+grade: $(STAMP)
+	@test -n "$(ASSIGNMENT)" || { echo "usage: make grade ASSIGNMENT=<name>"; exit 2; }
+	cd assignments && PATH="$(CURDIR)/$(BIN):$$PATH" ../$(BIN)/python -m course_tools.grade $(ASSIGNMENT)
+
 browser: book
 	$(BIN)/pytest -q tests/test_browser.py
 
@@ -70,3 +77,4 @@ serve: book
 clean:
 	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache book/_downloads
 	rm -rf assignments/release assignments/submitted assignments/autograded assignments/feedback assignments/gradebook.db
+	rm -rf assignments/grading_reports assignments/grades

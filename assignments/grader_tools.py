@@ -2,14 +2,17 @@
 # The test cells check your answers with the private copies kept here, and verify before each
 # test that torch, math and the builtins are the ones this cell saw; so nothing an answer cell
 # does to a library changes what a test checks. Never use `_grader` in your answers: the
-# integrity check rejects an answer cell that names it.
+# integrity check rejects an answer cell that names it. Warnings are printed on stdout, so a
+# warning shows under the cell but does not fail a test (nbgrader fails any output on stderr).
 
 
 def _make_grader():
     import builtins
     import math as math_module
     import os
+    import sys
     import types
+    import warnings
     import weakref
 
     import torch as torch_module
@@ -17,7 +20,13 @@ def _make_grader():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        sys.stdout.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show_warning
+
     watched = {
+        "warnings": warnings,
         "builtins": builtins,
         "math": math_module,
         "torch": torch_module,

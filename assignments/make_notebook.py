@@ -28,6 +28,8 @@ Model answer.
     ]
     build(cells, "assignments/source/<name>/<name>.ipynb")
 
+``python assignments/make_notebook.py --refresh assignments/source/*/*.ipynb`` puts the
+current ``grader_tools.py`` and the integrity rules into existing notebooks (those two only).
 ``python assignments/make_notebook.py --check assignments/source/*/*.ipynb`` checks
 existing notebooks against the conventions ("Authoring an assignment" in
 ``assignments/README.md``): unique ``part<N>-<slug>`` grade ids, 4 to 7 graded parts with
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -212,10 +215,54 @@ def check(nb) -> list[str]:
     return problems
 
 
+INSTRUCTIONS_RULES = (
+    "Answer cells may import only `torch`, `math` and `numpy` (and their submodules), never "
+    "the course library `efficient_attention`. They may not change attributes of modules or "
+    "builtins (`torch.testing.assert_close = ...`), use IPython features (`get_ipython`, "
+    "`%` magics, `!` commands), `exec`, `eval` or `__import__`, or read the notebook's own "
+    "cells (`In`, `_ih`): an integrity check rejects such cells when the notebook is graded "
+    "(a rejected cell is not run, and the parts that use it score zero). Check your notebook "
+    "before you submit it with `python check_notebook.py {name}.ipynb` (the script is on the "
+    "book's Assignments page) or with *Validate*."
+)
+_OLD_RULES = re.compile(r"Use `torch`.*?in your answers\.", re.S)
+
+
+def refresh(path: str | Path) -> bool:
+    """Put ``grader_tools.py`` into the notebook's grader-tools cell and the integrity rules
+    into its instructions; no other cell changes. True if the file changed."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    before = nbformat.writes(nb)
+    tools = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id")
+             == GRADER_TOOLS_ID]
+    for cell in tools:
+        cell.source = GRADER_TOOLS_FILE.read_text().strip("\n")
+    first = next(c for c in nb.cells if c.cell_type == "markdown")
+    rules = INSTRUCTIONS_RULES.format(name=path.stem)
+    if rules not in " ".join(first.source.split()):
+        paragraphs = _OLD_RULES.sub(lambda _: rules, first.source, count=1).split("\n\n")
+        first.source = "\n\n".join(
+            textwrap.fill(" ".join(p.split()), width=92, break_long_words=False,
+                          break_on_hyphens=False) if p.startswith("**Instructions.**") else p
+            for p in paragraphs)
+    if nbformat.writes(nb) == before:
+        return False
+    nbformat.write(nb, path)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", nargs="+", metavar="NOTEBOOK", required=True)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--check", nargs="+", metavar="NOTEBOOK")
+    group.add_argument("--refresh", nargs="+", metavar="NOTEBOOK",
+                       help="update the grader-tools cell and the integrity instructions")
     args = parser.parse_args(argv)
+    if args.refresh:
+        for path in args.refresh:
+            print(f"{path}: {'updated' if refresh(path) else 'unchanged'}")
+        return 0
     status = 0
     for path in args.check:
         problems = check(nbformat.read(path, as_version=4))

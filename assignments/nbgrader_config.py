@@ -6,29 +6,91 @@ Run nbgrader commands from this folder: ``cd assignments && nbgrader ...``.
 """
 
 import os
+import sys
 
-from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
-from nbgrader.preprocessors import ClearHiddenTests, GetGrades, NbGraderPreprocessor
+from nbconvert.preprocessors import ClearMetadataPreprocessor, CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import (
+    AssignLatePenalties,
+    CheckCellMetadata,
+    ClearHiddenTests,
+    ClearOutput,
+    DeduplicateIds,
+    GetGrades,
+    IgnorePattern,
+    LimitOutput,
+    OverwriteCells,
+    OverwriteKernelspec,
+    SaveAutoGrades,
+)
 
 c = get_config()  # noqa: F821  (nbgrader's config loader defines get_config)
 
 COURSE_ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, COURSE_ROOT)  # the course's own steps: course_tools/
+
+from course_tools.integrity import make_validate_hook  # noqa: E402
+from course_tools.preprocessors import (  # noqa: E402
+    GuardedExecute,
+    HideHiddenTestOutputs,
+    IntegrityCheck,
+    RepairCells,
+)
 
 c.CourseDirectory.course_id = "efficient-attention"
 c.CourseDirectory.root = COURSE_ROOT
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(COURSE_ROOT, "gradebook.db")
 
 # Execution at validate/autograde time. A cell that runs longer than `timeout` seconds is
-# interrupted (the kernel is not killed): it gets a CellTimeoutError and execution goes on
-# with the next cell (nbgrader's Execute always runs with allow_errors), so a student's
-# infinite loop costs only the parts that depend on that cell (tests/test_grading.py checks
-# this). A whole solution notebook runs in about 10 s.
+# interrupted: it gets a CellTimeoutError and execution goes on with the next cell
+# (nbgrader's Execute always runs with allow_errors). A cell that ignores the interrupt (it
+# catches KeyboardInterrupt, or sits in one long native call) is stopped by GuardedExecute:
+# the notebook runs again in a fresh kernel with that cell replaced by an error. So a
+# student's infinite loop costs only the parts that depend on that cell
+# (tests/test_grading.py checks both). A whole solution notebook runs in about 10 s.
 c.Execute.timeout = 30
 c.Execute.interrupt_on_timeout = True
 
+# Exchange (nbgrader release_assignment / fetch / submit / collect): a folder the instructor
+# names in NBGRADER_EXCHANGE, by default exchange/ inside this course folder (git-ignored).
+# On a shared JupyterHub every user must see the same folder: see assignments/README.md.
+c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", os.path.join(COURSE_ROOT, "exchange"))
+
+# zip_collect: submissions downloaded from an LMS (one archive, or the files themselves) go
+# into downloaded/<assignment>/archive/, named `<student id>_<assignment>.ipynb` (a student
+# id has no underscore), e.g. `jdoe_argmax_attention.ipynb`; see assignments/README.md.
+c.ZipCollectApp.collector_plugin = "nbgrader.plugins.FileNameCollectorPlugin"
+# (the plugin matches the whole path of each extracted file)
+c.FileNameCollectorPlugin.named_regexp = (
+    r"^(?:.*/)?(?P<student_id>[^_/]+)_(?P<file_id>[^/]+)\.ipynb$"
+)
+
+# The course's steps (course_tools/preprocessors.py): repair the cell metadata, apply the
+# integrity check after the read-only cells are restored, and execute so that a cell that
+# cannot be interrupted is stopped instead of losing the whole submission.
+c.Autograde.sanitize_preprocessors = [
+    ClearOutput,
+    RepairCells,
+    DeduplicateIds,
+    OverwriteKernelspec,
+    OverwriteCells,
+    IntegrityCheck,
+    CheckCellMetadata,
+]
+c.Autograde.autograde_preprocessors = [
+    GuardedExecute,
+    IgnorePattern,
+    ClearMetadataPreprocessor,
+    LimitOutput,
+    SaveAutoGrades,
+    AssignLatePenalties,
+    CheckCellMetadata,
+]
+# `nbgrader validate`: a notebook with a rejected cell fails with the reasons.
+c.Execute.on_notebook_start = make_validate_hook()
+
 # Test cells are read-only; whatever a student did to them, autograde restores the
 # original source and points from the gradebook (OverwriteCells), and puts back a
-# graded cell the student deleted.
+# graded cell the student deleted (RepairCells already puts back every read-only cell).
 c.OverwriteCells.add_missing_cells = True
 
 # Long outputs (a print in a loop) would bloat feedback files.
@@ -39,26 +101,14 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedb
 
 
 # Feedback. The autograded notebooks contain the hidden tests (nbgrader restores them to
-# grade), and nbgrader's feedback HTML would show them. Here the feedback strips the hidden
-# test regions and shortens a failed test's traceback (which quotes the failing line) to
-# the error type and message. The message can still show values: see assignments/README.md.
-
-
-class ShortenTestTracebacks(NbGraderPreprocessor):  # enabled by default, unlike nbconvert's
-    """Keep only ``ename: evalue`` of the errors in autograded test cells."""
-
-    def preprocess_cell(self, cell, resources, index):
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and meta.get("grade") and not meta.get("solution"):
-            for output in cell.get("outputs", []):
-                if output.output_type == "error":
-                    output.traceback = [f"{output.ename}: {output.evalue}"]
-        return cell, resources
-
+# grade), and nbgrader's feedback HTML would show them. Here the feedback keeps only
+# passed/failed and the error type of every test cell with hidden tests (and of whatever
+# student code prints after the first of them: it could print hidden inputs), then strips
+# the hidden test regions; visible-only tests keep their messages.
 
 c.GenerateFeedback.preprocessors = [
     GetGrades,
+    HideHiddenTestOutputs,
     ClearHiddenTests,
-    ShortenTestTracebacks,
     CSSHTMLHeaderPreprocessor,
 ]

@@ -7,7 +7,8 @@ Run from anywhere, before ``jupyter-book build`` (the Makefile's ``book`` target
 In a scratch copy of ``assignments/`` (the real course folder and its gradebook are never
 touched) it runs ``nbgrader generate_assignment "*" --no-db --force``, which strips the
 solutions, hidden tests and rubrics, then copies each release notebook to
-``book/_downloads/assignments/<name>.ipynb`` and writes
+``book/_downloads/assignments/<name>.ipynb``, writes the integrity check students run before
+submitting (``check_notebook.py``, every assignment's rules built in) and writes
 ``book/_downloads/assignments/list.md``: one entry per assignment, with a ``{download}``
 link, its title, the summary sentence of its first cell and its points. ``book/assignments.md``
 includes that list, so an assignment added under ``assignments/source/`` appears in the
@@ -18,6 +19,7 @@ book with no other edit, and the book never links a file that does not exist.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -25,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from course_tools import integrity  # noqa: E402
 
 COURSE = Path(__file__).resolve().parent
 ROOT = COURSE.parent
@@ -59,8 +64,26 @@ def describe(nb) -> tuple[str, str, float]:
     return title, summary, points
 
 
-def generate_releases(scratch: Path) -> None:
+def copy_course_files(scratch: Path) -> None:
+    """The configuration and what it loads (course_tools/, rules/) into a scratch course."""
     shutil.copy(COURSE / "nbgrader_config.py", scratch)
+    for folder in ("course_tools", "rules"):
+        shutil.copytree(COURSE / folder, scratch / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def write_checker(path: Path) -> None:
+    """``check_notebook.py``: the integrity check, with every assignment's rules built in."""
+    catalogue = integrity.course_catalogue(COURSE)
+    source = (COURSE / "course_tools" / "integrity.py").read_text()
+    marker = "EMBEDDED_RULES: dict = {}"
+    assert marker in source, "integrity.py lost its EMBEDDED_RULES line"
+    path.write_text(source.replace(marker, "EMBEDDED_RULES: dict = " + json.dumps(
+        catalogue, indent=1, sort_keys=True), 1))
+
+
+def generate_releases(scratch: Path) -> None:
+    copy_course_files(scratch)
     shutil.copytree(COURSE / "source", scratch / "source",
                     ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
     result = subprocess.run(
@@ -81,6 +104,12 @@ def write_list(entries: list[tuple[str, str, str, float]], path: Path) -> None:
         lines.append(f"- **{title}** ({points:g} points), {link}. {summary}")
     if not entries:
         lines.append("No assignment has been released yet.")
+    else:
+        lines += ["", "The integrity check, to run on your notebook before you submit it: "
+                  "{download}`check_notebook.py </book/_downloads/assignments/check_notebook.py>` "
+                  "(`python check_notebook.py <name>.ipynb`). The packages you need, and "
+                  "nothing that solves a part: {download}`student-requirements.txt "
+                  "</book/_downloads/assignments/student-requirements.txt>`."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -101,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit(f"no release was generated for {name} ({release})")
             shutil.copy(release, OUT / f"{name}.ipynb")
             entries.append((name, *describe(nbformat.read(release, as_version=4))))
+    write_checker(OUT / "check_notebook.py")
+    shutil.copy(COURSE / "student-requirements.txt", OUT / "student-requirements.txt")
     write_list(entries, OUT / "list.md")
     print(f"released {len(entries)} assignment(s) to {OUT}: {', '.join(names)}")
     return 0

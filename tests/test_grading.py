@@ -1,32 +1,37 @@
 """The nbgrader pipeline, end to end, for every assignment under assignments/source.
 
 For each assignment (found by discovery, so new ones are covered automatically) a scratch
-copy of the course is made in a temporary folder, with the real ``nbgrader_config.py``
-(whose paths are relative to its own folder). Then:
+copy of the course is made in a temporary folder, with the real ``nbgrader_config.py`` and
+what it loads (``course_tools/``, ``rules/``). Then:
 
 - ``nbgrader generate_assignment`` makes the student release, which must contain no
   solution, no hidden test and no rubric, and must not import the graded functions;
-- ``nbgrader validate`` passes on the source (the instructor's solution);
-- ``nbgrader autograde`` grades two students in one call: "solution" (the source) must get
-  every autograded point and "blank" (the untouched release) none, read from the gradebook.
+- ``nbgrader validate`` passes on the source (the instructor's solution) and fails, naming
+  the rule, on a notebook the integrity check rejects;
+- the course's grade command (``python -m course_tools.grade``, one ``nbgrader autograde``
+  for every student) grades: "solution" (the source: every autograded point), "blank" (the
+  untouched release: none), "cheater" (attacks from tests/cheats/common.py appended to every
+  other answer cell, a tamper that only the tests' ``_grader.check()`` can see in the last
+  one, and a correct first answer that warns and prints its inputs), "broken" (an
+  interrupt-proof loop, a syntax error, test cells duplicated, renamed, re-typed and deleted,
+  the grader-tools cell deleted), the cases of tests/cheats/<assignment>.py, and "corrupt"
+  (not a notebook: reported as not graded, never as 0). Each must lose exactly the test cells
+  that depend on what it broke (found from the names the cells define and use), read from
+  the gradebook, which must agree with the autograded notebooks;
+- ``nbgrader generate_feedback``: no hidden test line, hidden message or printed hidden input.
 
-On ``argmax_attention`` four more students check robustness: an infinite loop (stopped by
-the execution timeout; only that part is lost), an edited read-only test cell (graded with
-the original test), a cell that raises (only the parts that depend on it are lost) and a
-deleted test cell (put back and graded). For every student the gradebook must agree with
-the autograded notebook: score = sum of the points of the test cells that passed.
-
-Cost: about 3 s per kernel start (torch import) plus nbgrader's own start-up (~3 s per
-command): about 20-30 s per assignment on two idle cores, about 65 s for argmax_attention
-(six students, one of them waits for a 10 s timeout, and the feedback), two to three times
-that on a loaded machine.
+Cost: about 3 s per kernel start (torch import) plus nbgrader's start-up (~3 s per command);
+the broken student waits for one per-cell time limit (ROBUSTNESS_TIMEOUT_S) plus a rerun.
+About a minute per assignment on two idle cores.
 """
 
 from __future__ import annotations
 
 import copy
+import csv
 import html
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -44,15 +49,23 @@ BIN = Path(sys.executable).parent  # nbgrader, jupyter and alembic live next to 
 NAMES = sorted(
     p.name for p in (COURSE / "source").iterdir() if (p / f"{p.name}.ipynb").is_file()
 )
-ROBUSTNESS = "argmax_attention"
-# The robustness run uses a short per-cell timeout so the infinite loop costs seconds; the
-# course's own value (30 s) is checked separately in test_config_*.
+# The battery uses a short per-cell time limit so the interrupt-proof loop costs seconds;
+# the course's own value (30 s) is checked separately in test_config_*.
 ROBUSTNESS_TIMEOUT_S = 10
 TIMINGS: dict[str, float] = {}
 
-_spec = importlib.util.spec_from_file_location("make_notebook", COURSE / "make_notebook.py")
-make_notebook = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_notebook)
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_notebook = _load("make_notebook", COURSE / "make_notebook.py")
+common = _load("cheats_common", ROOT / "tests" / "cheats" / "common.py")
+integrity = _load("course_integrity", COURSE / "course_tools" / "integrity.py")
 
 
 def _env() -> dict[str, str]:
@@ -91,46 +104,39 @@ def _is_autograded_test(cell) -> bool:
     return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
 
 
-def _replace(cell, old: str, new: str) -> None:
-    assert old in cell.source, f"{_meta(cell)['grade_id']}: {old!r} not found"
-    cell.source = cell.source.replace(old, new, 1)
+def _cases(name: str) -> list[dict]:
+    path = ROOT / "tests" / "cheats" / f"{name}.py"
+    if not path.is_file():
+        return []
+    return list(_load(f"cheats_{name}", path).CASES)
 
 
-def _robustness_students(source) -> dict[str, tuple[object, set[str]]]:
-    """Broken submissions of argmax_attention and the test cells each must lose."""
-    students = {}
-
-    nb = copy.deepcopy(source)  # an infinite loop inside the Part 4 function
-    _replace(_cell(nb, "part4-grads-solution"), "    ### BEGIN SOLUTION",
-             "    while True:\n        pass\n    ### BEGIN SOLUTION")
-    students["loop"] = (nb, {"part4-grads-test"})
-
-    nb = copy.deepcopy(source)  # wrong Part 2, and its locked test replaced, points inflated
-    _replace(_cell(nb, "part2-argmax-solution"), "return weights @ v", "return 0 * weights @ v")
-    test = _cell(nb, "part2-argmax-test")
-    test.source = "pass  # the student emptied the test"
-    test.metadata["nbgrader"]["points"] = 100
-    students["edited"] = (nb, {"part2-argmax-test"})
-
-    nb = copy.deepcopy(source)  # Part 1's cell raises: Part 2 (which calls it) fails too
-    _replace(_cell(nb, "part1-scores-solution"), "def attention_scores",
-             'raise RuntimeError("a bug")\n\n\ndef attention_scores')
-    students["raises"] = (nb, {"part1-scores-test", "part2-argmax-test"})
-
-    nb = copy.deepcopy(source)  # wrong Part 5 and its test cell deleted
-    _replace(_cell(nb, "part5-softmax-solution"), "return torch.softmax(scores, dim=-1) @ v",
-             "return torch.zeros(*q.shape[:-1], v.shape[-1])")
-    nb.cells.remove(_cell(nb, "part5-softmax-test"))
-    students["deleted"] = (nb, {"part5-softmax-test"})
+def _students(name: str, source, release) -> dict:
+    """{student: (notebook or text, test cells that must score 0 (None: all), notes)}."""
+    offset = NAMES.index(name) * 3  # each assignment tries other attacks first
+    cheater, lost, attacks, warned = common.cheater(source, offset)
+    broken, broken_lost, edits = common.broken(source, NAMES.index(name))
+    students = {
+        "solution": (source, set(), {}),
+        "blank": (release, None, {}),
+        "cheater": (cheater, lost, {"attacks": attacks, "warned": warned}),
+        "broken": (broken, broken_lost, {"edits": edits}),
+        "corrupt": ("this is not a notebook", None, {}),
+    }
+    for number, (names, nb, case_lost) in enumerate(common.combine_cases(source, _cases(name))):
+        students[f"case{number}"] = (nb, case_lost, {"cases": names})
     return students
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def graded(request, tmp_path_factory):
-    """Generate, validate and autograde one assignment in a scratch course."""
+    """Generate, validate and grade one assignment's students in a scratch course."""
     name = request.param
     course = tmp_path_factory.mktemp(f"course-{name}")
     shutil.copy(COURSE / "nbgrader_config.py", course)
+    for folder in ("course_tools", "rules"):
+        shutil.copytree(COURSE / folder, course / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(COURSE / "source" / name, course / "source" / name)
     timings = {}
 
@@ -138,38 +144,38 @@ def graded(request, tmp_path_factory):
     _nbgrader(course, "generate_assignment", name, "--force")
     timings["generate"] = time.perf_counter() - start
     source = nbformat.read(course / "source" / name / f"{name}.ipynb", as_version=4)
-    release_path = course / "release" / name / f"{name}.ipynb"
-    release = nbformat.read(release_path, as_version=4)
+    release = nbformat.read(course / "release" / name / f"{name}.ipynb", as_version=4)
 
     start = time.perf_counter()
     validate = _nbgrader(course, "validate", str(course / "source" / name / f"{name}.ipynb"),
                          check=False)
     timings["validate"] = time.perf_counter() - start
 
-    students = {"solution": (source, set()), "blank": (release, None)}  # None: loses all
-    extra = []
-    if name == ROBUSTNESS:
-        students.update(_robustness_students(source))
-        extra = [f"--Execute.timeout={ROBUSTNESS_TIMEOUT_S}"]
-    for student, (nb, _) in students.items():
+    students = _students(name, source, release)
+    for student, (nb, _, _) in students.items():
         folder = course / "submitted" / student / name
         folder.mkdir(parents=True)
-        nbformat.write(nb, folder / f"{name}.ipynb")
+        if isinstance(nb, str):
+            (folder / f"{name}.ipynb").write_text(nb)
+        else:
+            nbformat.write(nb, folder / f"{name}.ipynb")
 
     start = time.perf_counter()
-    autograde = _nbgrader(course, "autograde", name, *extra)
-    timings["autograde"] = time.perf_counter() - start
-    if name == ROBUSTNESS:
-        start = time.perf_counter()
-        _nbgrader(course, "generate_feedback", name)
-        timings["feedback"] = time.perf_counter() - start
+    grade = subprocess.run(
+        [sys.executable, "-m", "course_tools.grade", name,
+         f"--timeout={ROBUSTNESS_TIMEOUT_S}"],
+        cwd=course, env=_env(), capture_output=True, text=True, timeout=1800,
+    )
+    timings["grade"] = time.perf_counter() - start
+    start = time.perf_counter()
+    _nbgrader(course, "generate_feedback", name)
+    timings["feedback"] = time.perf_counter() - start
     TIMINGS[name] = sum(timings.values())
     print(f"\n[{name}] " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
           + f" ({len(students)} students)")
     return {
         "name": name, "course": course, "source": source, "release": release,
-        "validate": validate, "autograde": autograde, "students": students,
-        "timings": timings,
+        "validate": validate, "grade": grade, "students": students, "timings": timings,
     }
 
 
@@ -292,56 +298,111 @@ def _gradebook(graded):
     return Gradebook(f"sqlite:///{graded['course'] / 'gradebook.db'}")
 
 
-def test_autograde_solution_full_blank_zero_and_gradebook_consistent(graded):
+def _expected(graded, student) -> dict[str, float]:
+    source, (_, lost, _) = graded["source"], graded["students"][student]
+    tests = {_meta(c)["grade_id"]: float(_meta(c)["points"])
+             for c in source.cells if _is_autograded_test(c)}
+    lost = set(tests) if lost is None else lost
+    assert lost <= set(tests), f"{student}: unknown test cells {lost - set(tests)}"
+    return {t: (0.0 if t in lost else p) for t, p in tests.items()}
+
+
+def test_every_student_scores_what_it_should_and_gradebook_consistent(graded):
     name, source = graded["name"], graded["source"]
     tests = {_meta(c)["grade_id"]: float(_meta(c)["points"])
              for c in source.cells if _is_autograded_test(c)}
     total = sum(float(_meta(c)["points"]) for c in source.cells if _meta(c).get("grade"))
     assert tests, "no autograded test cell"
+    output = graded["grade"].stdout + graded["grade"].stderr
     with _gradebook(graded) as gradebook:
-        assert gradebook.find_assignment(name).num_submissions == len(graded["students"])
-        for student, (_, lost) in graded["students"].items():
+        for student in graded["students"]:
+            if student == "corrupt":
+                continue
             notebook = gradebook.find_submission_notebook(name, name, student)
             auto = {g.name: g.auto_score for g in notebook.grades if g.name in tests}
             maxima = {g.name: g.max_score for g in notebook.grades if g.name in tests}
             assert maxima == tests, f"{student}: points changed in the gradebook"
-            lost = set(tests) if lost is None else lost
-            expected = {t: (0.0 if t in lost else p) for t, p in tests.items()}
-            assert auto == expected, f"{student}: got {auto}, expected {expected}"
+            expected = _expected(graded, student)
+            assert auto == expected, (
+                f"{student}: got {auto}, expected {expected}\n{output[-6000:]}")
             # the gradebook agrees with the autograded notebook's own outputs
             assert _expected_scores(graded, student) == expected, student
             assert notebook.code_score == pytest.approx(sum(expected.values()))
             assert notebook.max_score == pytest.approx(total), student
-            submission = gradebook.find_submission(name, student)
-            assert submission.code_score == pytest.approx(notebook.code_score)
             # written answers: untouched ones score 0, answered ones wait for a human
             for grade in notebook.grades:
                 if grade.name not in tests:
                     assert grade.auto_score == (0 if student == "blank" else None), grade.name
+    # attacks really were applied: the cheater holds at least one attack (two or more
+    # answer cells) and its honest first answer warned
+    notes = graded["students"]["cheater"][2]
+    if len(common.answers(source)) > 1:
+        assert notes["attacks"], notes
 
 
-@pytest.mark.parametrize("graded", [ROBUSTNESS], indirect=True)
-def test_robustness_outputs(graded):
-    """What happened in the broken submissions' cells (argmax_attention only)."""
+def _table(graded, student) -> str:
+    """The grade command's table of one student."""
+    text = graded["grade"].stdout
+    match = re.search(rf"^== {re.escape(student)} ==\n(.*?)(?=^== |\n\d+ of \d+ submission)",
+                      text, flags=re.M | re.S)
+    assert match, f"no table for {student} in:\n{text[-3000:]}"
+    return match.group(1)
+
+
+def test_grade_command_reports_what_happened(graded):
+    name, course = graded["name"], graded["course"]
+    result = graded["grade"]
+    # one submission could not be graded: the command says so and fails, never shows a 0
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED TO GRADE" in _table(graded, "corrupt")
+    assert "NOT GRADED: corrupt" in result.stdout
+    rows = list(csv.DictReader((course / "grades" / f"{name}.csv").open()))
+    corrupt = [r for r in rows if r["student"] == "corrupt"]
+    assert [(r["status"], r["score"]) for r in corrupt] == [("failed to grade", "")]
+    # scores per part in the table and the CSV agree with the gradebook's expectations
+    for student in ("solution", "cheater", "broken"):
+        expected = _expected(graded, student)
+        table = _table(graded, student)
+        for part, points in expected.items():
+            assert re.search(rf"{re.escape(part)}\s+{points:g} / ", table), (student, part, table)
+        csv_scores = {r["part"]: float(r["score"]) for r in rows
+                      if r["student"] == student and r["part"] in expected}
+        assert csv_scores == expected, student
+    # what happened, with reasons
+    cheater = _table(graded, "cheater")
+    if graded["students"]["cheater"][2]["attacks"][:1] not in ([], ["runtime-tamper"]):
+        assert "flagged: answer cell" in cheater, cheater
+    broken = _table(graded, "broken")
+    assert "stopped: " in broken and "did not stop when interrupted" in broken, broken
+    for edit in graded["students"]["broken"][2]["edits"]:
+        kind = edit.split()[0]
+        if kind == "delete":
+            assert f"deleted read-only cell {edit.split()[1]} was put back" in broken, broken
+        elif kind in ("duplicate", "rename", "retype"):
+            word = {"duplicate": "removed a copy", "rename": "unknown grade id",
+                    "retype": "was turned into a markdown cell"}[kind]
+            assert word in broken, (edit, broken)
+
+
+def test_validate_and_checker_reject_cheats(graded):
+    """Students learn before submitting: validate and check_notebook.py name the rule."""
     course, name = graded["course"], graded["name"]
-
-    def outputs(student, grade_id):
-        nb = nbformat.read(course / "autograded" / student / name / f"{name}.ipynb", 4)
-        return _cell(nb, grade_id)
-
-    timed_out = outputs("loop", "part4-grads-test")
-    # the kernel is interrupted (KeyboardInterrupt) and nbgrader records CellTimeoutError
-    assert "CellTimeoutError" in [o.get("ename") for o in timed_out.outputs]
-    assert "Interrupting kernel" in graded["autograde"].stderr
-    # execution went on after the interrupt: the next test cell ran and passed
-    assert not [o for o in outputs("loop", "part5-softmax-test").outputs
-                if o.output_type == "error"]
-    # the edited read-only test ran as the instructor wrote it, hidden tests included
-    restored = outputs("edited", "part2-argmax-test")
-    assert restored.source == _cell(graded["source"], "part2-argmax-test").source
-    assert [o.get("ename") for o in restored.outputs if o.output_type == "error"] == [
-        "AssertionError"]
-    assert "was missing from the submission" in outputs("deleted", "part5-softmax-test").source
+    cheater = course / "submitted" / "cheater" / name / f"{name}.ipynb"
+    if not graded["students"]["cheater"][2]["attacks"][:1] or graded["students"]["cheater"][
+            2]["attacks"][0] == "runtime-tamper":
+        pytest.skip("this assignment has a single answer cell: no static attack to find")
+    result = _nbgrader(course, "validate", str(cheater), check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "integrity check rejects" in output, output[-3000:]
+    checker = subprocess.run(
+        [sys.executable, str(course / "course_tools" / "integrity.py"), str(cheater)],
+        capture_output=True, text=True, env=_env())
+    assert checker.returncode == 1 and "would be rejected" in checker.stdout, checker.stdout
+    clean = subprocess.run(
+        [sys.executable, str(course / "course_tools" / "integrity.py"),
+         str(course / "release" / name / f"{name}.ipynb")],
+        capture_output=True, text=True, env=_env())
+    assert clean.returncode == 0, clean.stdout
 
 
 def _html_text(path: Path) -> str:
@@ -349,26 +410,39 @@ def _html_text(path: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", path.read_text()))
 
 
-@pytest.mark.parametrize("graded", [ROBUSTNESS], indirect=True)
 def test_feedback_hides_hidden_tests(graded):
-    """The feedback HTML shows the visible tests and scores, not the hidden tests."""
+    """Feedback shows visible tests and scores; no hidden line, message or printed input."""
     course, name, source = graded["course"], graded["name"], graded["source"]
-    hidden, visible = set(), set()
+    hidden, visible, public = set(), set(), set()
     for cell in source.cells:
+        inside, outside = _regions(cell.source)
         if _is_autograded_test(cell):
-            inside, outside = _regions(cell.source)
             hidden |= {line for line in inside if len(line) >= 8}
             visible |= {line for line in outside if len(line) >= 8}
-    hidden -= visible
-    for student in ("solution", "edited"):
+            public |= set(outside)
+        else:  # setup, grader tools, answers (a solution shows its own code), text
+            public |= {line.strip() for line in cell.source.splitlines()}
+    hidden -= public  # a hidden line that also occurs elsewhere proves nothing
+    for student in ("solution", "cheater", "broken"):
         text = _html_text(course / "feedback" / student / name / f"{name}.html")
         lines = {line.strip() for line in text.splitlines()}
         assert visible & lines, "no visible test line found: the text extraction is broken"
         assert "BEGIN HIDDEN TESTS" not in text
         assert not hidden & lines, f"{student}: feedback shows {sorted(hidden & lines)[:3]}"
-        if student == "edited":  # its Part 2 failed: the error type shows, the traceback not
-            assert "AssertionError" in text
-            assert "---->" not in text and "Cell In[" not in text  # IPython traceback marks
+        assert "hidden test: details are not shown" in text or student == "solution"
+    text = _html_text(course / "feedback" / "cheater" / name / f"{name}.html")
+    warned = graded["students"]["cheater"][2]["warned"]
+    first_hidden = next(i for i, c in enumerate(source.cells)
+                        if _is_autograded_test(c) and "BEGIN HIDDEN TESTS" in c.source)
+    called_before = any(warned and re.search(rf"\b{warned}\(", c.source)
+                        for c in source.cells[:first_hidden] if not _meta(c).get("solution"))
+    if warned and not called_before:
+        assert "SECRET-INPUTS" not in text  # printed inside hidden tests: never shown
+    autograded = nbformat.read(course / "autograded" / "cheater" / name / f"{name}.ipynb", 4)
+    outputs = "".join(o.get("text", "") for c in autograded.cells
+                      for o in c.get("outputs", []) if o.output_type == "stream")
+    if warned:  # the warning went to stdout: visible to the student while working, not a fail
+        assert "UserWarning" in outputs and "SECRET-INPUTS" in outputs
 
 
 def test_config_timeout_and_paths():
@@ -382,11 +456,58 @@ def test_config_timeout_and_paths():
     assert config.Execute.interrupt_on_timeout is True
     assert Path(config.CourseDirectory.root) == COURSE
     assert config.CourseDirectory.db_url == f"sqlite:///{COURSE / 'gradebook.db'}"
+    # the exchange is a folder the instructor names (default inside the course), never
+    # nbgrader's /usr/local/share/nbgrader/exchange
+    assert config.Exchange.root == os.environ.get("NBGRADER_EXCHANGE", str(COURSE / "exchange"))
+    # the course's steps are in nbgrader's pipeline, in order
+    sanitize = [cls.__name__ for cls in config.Autograde.sanitize_preprocessors]
+    assert sanitize.index("RepairCells") < sanitize.index("OverwriteCells") < sanitize.index(
+        "IntegrityCheck")
+    assert config.Autograde.autograde_preprocessors[0].__name__ == "GuardedExecute"
+    feedback = [cls.__name__ for cls in config.GenerateFeedback.preprocessors]
+    assert feedback.index("HideHiddenTestOutputs") < feedback.index("ClearHiddenTests")
+    assert callable(config.Execute.on_notebook_start)
+    assert config.ZipCollectApp.collector_plugin.endswith("FileNameCollectorPlugin")
 
 
 def test_time_budget(graded):
-    """Generate + validate + autograde must stay cheap: under 60 s per graded notebook."""
+    """Generate + validate + grade must stay cheap: under 60 s per graded notebook."""
     timings, students = graded["timings"], len(graded["students"])
-    extra = ROBUSTNESS_TIMEOUT_S if graded["name"] == ROBUSTNESS else 0
-    assert timings["autograde"] < 60 * students + extra, timings
+    assert timings["grade"] < 60 * students + 2 * ROBUSTNESS_TIMEOUT_S, timings
     assert timings["validate"] < 60, timings
+
+
+SETUP_NAMES = {"torch", "math", "np", "plt"}
+
+
+@pytest.mark.parametrize(("kind", "snippet"), common.ATTACKS,
+                         ids=[f"{k}-{i}" for i, (k, _) in enumerate(common.ATTACKS)])
+def test_integrity_check_rejects_every_attack(kind, snippet):
+    problems = integrity.check_source("def f(x):\n    return x\n\n" + snippet, None,
+                                      SETUP_NAMES)
+    assert problems, f"{kind} not caught: {snippet}"
+    assert all(line >= 4 for line, _ in problems), problems  # the honest part is not blamed
+
+
+def test_integrity_check_rules_and_defaults():
+    honest = ("class Block(torch.nn.Module):\n    def __init__(self):\n"
+              "        super().__init__()\n        self.w = torch.nn.Parameter(torch.ones(2))\n\n"
+              "def f(x, input=None):\n    total = 0\n    for _ in range(2):\n"
+              "        total += torch.softmax(x, -1).sum() * math.pi + np.pi\n    return total\n")
+    assert integrity.check_source(honest, None, SETUP_NAMES) == []
+    assert integrity.check_source("def f(:\n    pass", None, SETUP_NAMES) is None  # SyntaxError
+    forbidding = {"allowed_modules": ["torch"], "forbidden_attributes": ["torch.linalg.pinv"]}
+    assert integrity.check_source("def f(a):\n    return torch.linalg.pinv(a)", forbidding)
+    assert integrity.check_source("import numpy", forbidding)
+    # a missing rules file means the defaults
+    assert integrity.load_rules("no_such_assignment", COURSE / "rules") == integrity.DEFAULT_RULES
+    # the runtime tamper is the one attack left to the tests' _grader.check()
+    assert integrity.check_source(common.RUNTIME_TAMPER, None, SETUP_NAMES) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rules_file_and_sources_pass_the_check(name):
+    rules = json.loads((COURSE / "rules" / f"{name}.json").read_text())
+    assert set(rules) == {"allowed_modules", "forbidden_attributes"}
+    source = json.loads((COURSE / "source" / name / f"{name}.ipynb").read_text())
+    assert integrity.problems_in(source, integrity.course_catalogue(COURSE), name) == {}

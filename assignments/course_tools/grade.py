@@ -1,0 +1,176 @@
+"""Autograde every collected submission of an assignment and say what happened to each.
+
+From the repository root: ``make grade ASSIGNMENT=argmax_attention``; from ``assignments/``::
+
+    python -m course_tools.grade argmax_attention [--timeout 30]
+
+It runs ``nbgrader autograde <name> --force`` once for all students found under
+``submitted/*/<name>/``, then prints one table per student: the score of every graded part
+(autograded tests, and written answers once graded by hand), then what the course's steps
+reported (``flagged`` by the integrity check, ``repaired`` cell metadata, a cell ``stopped``)
+and whether the notebook was graded at all. A submission nbgrader could not grade is listed
+as ``FAILED TO GRADE`` with nbgrader's reason, and its score is left empty in the CSV, never
+0. The CSV (one row per student and part) goes to ``grades/<name>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COURSE = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+REPORTS = "grading_reports"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # the gradebook calls `alembic`
+    return env
+
+
+def students_of(course: Path, name: str) -> list[str]:
+    return sorted(p.parent.name for p in (course / "submitted").glob(f"*/{name}")
+                  if p.is_dir())
+
+
+def _log_by_student(log: str, students: list[str]) -> dict[str, list[str]]:
+    """nbgrader's error lines, attributed to the student whose notebook was being graded."""
+    errors: dict[str, list[str]] = {s: [] for s in students}
+    current = None
+    for line in log.splitlines():
+        found = re.search(r"(?:submitted|autograded)/([^/]+)/", line)
+        if found and found.group(1) in errors:
+            current = found.group(1)
+        if current and re.search(r"\| (ERROR|CRITICAL)\]|Error:|Exception", line):
+            errors[current].append(line.strip())
+    return errors
+
+
+def autograde(course: Path, name: str, extra: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "nbgrader"), "autograde", name, "--force", *extra],
+        cwd=course, env=_env(), capture_output=True, text=True,
+    )
+
+
+def collect(course: Path, name: str, students: list[str], log: str, started: float) -> list:
+    """One record per student: status, scores per part, what the course's steps reported."""
+    os.environ["PATH"] = _env()["PATH"]
+    from nbgrader.api import Gradebook, MissingEntry
+
+    errors = _log_by_student(log, students)
+    records = []
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        assignment = gradebook.find_assignment(name)
+        notebooks = [nb.name for nb in assignment.notebooks]
+        for student in students:
+            events, parts, graded = [], {}, True
+            for notebook in notebooks:
+                report = course / REPORTS / name / student / f"{notebook}.json"
+                if report.is_file():
+                    events += json.loads(report.read_text())
+                output = course / "autograded" / student / name / f"{notebook}.ipynb"
+                if not output.is_file() or output.stat().st_mtime < started:
+                    graded = False
+                    continue
+                try:
+                    submission = gradebook.find_submission_notebook(notebook, name, student)
+                except MissingEntry:
+                    graded = False
+                    continue
+                for grade in submission.grades:
+                    parts[grade.name] = (grade.score, grade.max_score, grade.needs_manual_grade)
+            reason = "; ".join(errors[student][-3:]) or "no autograded notebook was written"
+            records.append({"student": student, "graded": graded, "parts": parts,
+                            "events": events, "reason": "" if graded else reason})
+    return records
+
+
+def _part_order(name: str) -> tuple:
+    match = re.match(r"part(\d+)-", name)
+    return (int(match.group(1)) if match else 0, name)
+
+
+def print_tables(records: list, out=sys.stdout) -> None:
+    for record in records:
+        print(f"\n== {record['student']} ==", file=out)
+        if not record["graded"]:
+            print(f"  FAILED TO GRADE: {record['reason']}", file=out)
+        else:
+            total = maximum = 0.0
+            for part in sorted(record["parts"], key=_part_order):
+                score, max_score, manual = record["parts"][part]
+                shown = "needs manual grade" if manual else f"{score:g} / {max_score:g}"
+                print(f"  {part:<32} {shown}", file=out)
+                total += score or 0
+                maximum += max_score
+            print(f"  {'total (so far)':<32} {total:g} / {maximum:g}", file=out)
+        for event in record["events"]:
+            print(f"  {event['kind']}: {event['message']}", file=out)
+
+
+def write_csv(records: list, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["student", "status", "part", "score", "max_score", "notes"])
+        for record in records:
+            notes = " | ".join(f"{e['kind']}: {e['message']}" for e in record["events"])
+            if not record["graded"]:
+                writer.writerow([record["student"], "failed to grade", "", "", "",
+                                 record["reason"] + (" | " + notes if notes else "")])
+                continue
+            status = "graded" + "".join(
+                f", {kind}" for kind in ("flagged", "repaired", "stopped")
+                if any(e["kind"] == kind for e in record["events"]))
+            for part in sorted(record["parts"], key=_part_order):
+                score, max_score, manual = record["parts"][part]
+                writer.writerow([record["student"], status, part,
+                                 "" if manual else f"{score:g}", f"{max_score:g}",
+                                 "needs manual grade" if manual else notes])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("assignment")
+    parser.add_argument("--course", default=str(COURSE),
+                        help="course folder (default: %(default)s)")
+    parser.add_argument("--timeout", type=int, help="per-cell time limit (default: the config's)")
+    parser.add_argument("--csv", help="CSV path (default: <course>/grades/<assignment>.csv)")
+    args = parser.parse_args(argv)
+    course, name = Path(args.course).resolve(), args.assignment
+    students = students_of(course, name)
+    if not students:
+        print(f"no submission under {course / 'submitted'}/*/{name}/", file=sys.stderr)
+        return 2
+    if not (course / "release" / name).is_dir():
+        print(f"run `nbgrader generate_assignment {name}` first", file=sys.stderr)
+        return 2
+    reports = course / REPORTS / name
+    for student in students:
+        for stale in (reports / student).glob("*.json"):
+            stale.unlink()
+    extra = [f"--Execute.timeout={args.timeout}"] if args.timeout else []
+    started = time.time() - 1
+    result = autograde(course, name, extra)
+    records = collect(course, name, students, result.stdout + result.stderr, started)
+    print_tables(records)
+    path = Path(args.csv) if args.csv else course / "grades" / f"{name}.csv"
+    write_csv(records, path)
+    failed = [r["student"] for r in records if not r["graded"]]
+    print(f"\n{len(records) - len(failed)} of {len(records)} submission(s) graded; CSV: {path}")
+    if failed:
+        print(f"NOT GRADED: {', '.join(failed)} (see above; fix and rerun)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
