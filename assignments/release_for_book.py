@@ -44,6 +44,7 @@ ORDER = [
     "performer",
     "nystrom",
     "fmmformer",
+    "online_softmax",
 ]
 
 
