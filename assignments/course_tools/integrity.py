@@ -226,6 +226,8 @@ class _Checker(ast.NodeVisitor):
             self.flag(node, f"uses the attribute {attr} (frames, tracebacks or IPython)")
         elif attr.startswith("_grader"):
             self.flag(node, f"uses {attr}, the tests' private tools")
+        elif attr in FORBIDDEN_MODULE_NAMES:  # torch.sys, torch.os: modules a library imported
+            self.flag(node, f"uses the attribute {attr}, a module answers may not use")
         self._forbidden_name(node, attr)
         if isinstance(node.ctx, (ast.Store, ast.Del)):
             root = _root(node)

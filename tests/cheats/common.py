@@ -39,6 +39,8 @@ ATTACKS = [
     ("grader", "_grader.check = lambda: None"),
     ("dunder", "object.__subclasses__()"),
     ("exit", "exit()"),
+    ("module-through-library", "torch.sys.modules['__main__']._grader = None"),
+    ("module-through-library", "np.os.getcwd()"),
 ]
 RUNTIME_TAMPER = ("def _replace_checker(module):\n"
                   "    module.assert_close = lambda *a, **k: None\n\n\n"
