@@ -382,3 +382,46 @@ def test_cuda_matches_cpu(causal):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-5)
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in cuda)
+
+
+@pytest.mark.parametrize(("dtype", "gap"), [(torch.float32, 200.0), (torch.float64, 1000.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_late_score_far_above_the_first_tile_falls_back_to_rescaling(dtype, gap, causal):
+    """Without padding each query is shifted once, by the maximum of its first key tile;
+    a later score more than ~88 (float32) or ~709 (float64) above it would overflow
+    exp, and the query tile is redone with the running maximum. Here the last key scores
+    ``gap`` above every earlier one for every query."""
+    n, d = 40, 4
+    q = torch.ones(2, n, d, dtype=dtype)
+    k = _randn(2, n, d, seed=60, dtype=dtype) * 0.1
+    k[:, -1] = 2 * gap / d ** 0.5 / d  # q . k_last / sqrt(d) = gap
+    v = _randn(2, n, 3, seed=61, dtype=dtype)
+    out, lse = ea.tiled_attention(q, k, v, causal=causal, block_size=8, return_lse=True)
+    expected = ea.softmax_attention(q, k, v, causal=causal)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, _reference_lse(q, k, causal=causal))
+
+
+def test_without_padding_memory_is_the_inputs_with_one_column_more_or_a_tile():
+    """The unpadded path keeps ``[k, 1]`` and ``[v, 1]`` (one extra column each) and one
+    tile of scores: never n x n."""
+    batch, n, d, block = 2, 1024, 16, (64, 128)
+    q, k, v = (_randn(batch, n, d, seed=s) for s in (62, 63, 64))
+    largest = 0
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal largest
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    largest = max(largest, t.numel())
+            return out
+
+    for causal in (False, True):
+        with Largest():
+            ea.tiled_attention(q, k, v, causal=causal, block_size=block)
+    bound = max(batch * n * (d + 1), batch * block[0] * block[1])
+    assert 0 < largest <= bound, largest
+    assert batch * n * n >= 32 * bound
