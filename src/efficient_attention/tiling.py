@@ -100,64 +100,6 @@ def _key_stop(causal: bool, q_stop: int, n_k: int) -> int:
     return min(q_stop, n_k) if causal else n_k
 
 
-def _safe_query_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
-    """Online softmax of one query tile, the running maximum updated at every key tile.
-
-    Returns the output ``(B, bq, d_v)`` and ``lse (B, bq)``; rows with no unmasked key get
-    zeros and ``-inf``.
-    """
-    batch, rows = q_tile.shape[0], q_stop - q_start
-    top = q_tile.new_full((batch, rows), float("-inf"))  # running maximum m
-    total = q_tile.new_zeros(batch, rows)  # running normaliser l
-    acc = q_tile.new_zeros(batch, rows, v.shape[2])  # running numerator (contiguous)
-    keys = _key_stop(causal, q_stop, k.shape[1])
-    for k_start in range(0, keys, block_k):
-        k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
-        scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
-        new_top = torch.maximum(top, scores.amax(dim=-1))
-        # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
-        # there, so that exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-        shift = torch.where(new_top == float("-inf"), 0.0, new_top)
-        weights = scores.sub_(shift.unsqueeze(-1)).exp_()  # (B, bq, bk), in place
-        rescale = torch.exp(top - shift)  # e^{m - m'}; 0 while m = -inf
-        total.mul_(rescale).add_(weights.sum(dim=-1))
-        acc.mul_(rescale.unsqueeze(-1)).baddbmm_(weights, v[:, k_start:k_stop])
-        top = new_top
-    seen = total > 0  # False: no unmasked key, output stays 0 and lse -inf
-    out = acc.div_(torch.where(seen, total, 1.0).unsqueeze(-1))
-    return out, torch.where(seen, top + torch.log(total), float("-inf"))
-
-
-def _shifted_query_tile(q_tile, k_ones, v_ones, causal, q_start, q_stop, block_k):
-    """One query tile with a single shift per query; None if a sum left the float range.
-
-    For inputs without padding. Each query's shift ``m_i`` is the maximum of its scores
-    in the first key tile (key 0 is visible to every query, causal or not). It is folded
-    into the score product, ``[q_i, -m_i] . [k_j, 1] = s_ij - m_i``, and the values carry
-    a column of ones, ``[v_j, 1]``, so that one product per tile accumulates numerator and
-    normaliser together: three operations per tile instead of a dozen. Without the
-    rescaling of the online softmax, a later score above ``m_i + 88`` (float32) would
-    overflow: then the caller redoes the tile with :func:`_safe_query_tile`. Scores far
-    below ``m_i`` underflow to 0, as their weights do relative to the largest one.
-    """
-    d, d_v = q_tile.shape[2], v_ones.shape[2] - 1
-    keys = _key_stop(causal, q_stop, k_ones.shape[1])
-    q_shifted = torch.nn.functional.pad(q_tile, (0, 1))  # (B, bq, d + 1): [q_i, 0]
-    first = min(block_k, keys)
-    scores = _tile_scores(q_shifted, k_ones, None, causal, q_start, q_stop, 0, first)
-    shift = scores.amax(dim=-1)  # (B, bq), m_i
-    q_shifted[..., d] = -shift
-    acc = scores.sub_(shift.unsqueeze(-1)).exp_() @ v_ones[:, :first]  # (B, bq, d_v + 1)
-    for k_start in range(first, keys, block_k):
-        k_stop = min(k_start + block_k, keys)
-        scores = _tile_scores(q_shifted, k_ones, None, causal, q_start, q_stop, k_start, k_stop)
-        acc.baddbmm_(scores.exp_(), v_ones[:, k_start:k_stop])
-    if not bool(torch.isfinite(acc).all()):
-        return None
-    total = acc[..., d_v]  # >= 1: the maximum of the first tile has weight e^0
-    return acc[..., :d_v] / total.unsqueeze(-1), shift + torch.log(total)
-
-
 def _forward(q, k, v, mask, causal, block_q, block_k):
     """Tiled online-softmax forward on ``(B, n, d)``: returns ``out (B, n_q, d_v)`` and
     ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``."""
@@ -165,18 +107,28 @@ def _forward(q, k, v, mask, causal, block_q, block_k):
     n_k, d_v = k.shape[1], v.shape[2]
     out = q.new_empty(batch, n_q, d_v)
     lse = q.new_empty(batch, n_q)
-    shifted = mask is None and n_k > 0  # every query sees key 0
-    if shifted:
-        k_ones = torch.nn.functional.pad(k, (0, 1), value=1.0)  # (B, n_k, d + 1): [k_j, 1]
-        v_ones = torch.nn.functional.pad(v, (0, 1), value=1.0)  # (B, n_k, d_v + 1)
     for q_start in range(0, n_q, block_q):
         q_stop = min(q_start + block_q, n_q)
         q_tile = q[:, q_start:q_stop]
-        tile = (_shifted_query_tile(q_tile, k_ones, v_ones, causal, q_start, q_stop, block_k)
-                if shifted else None)
-        if tile is None:
-            tile = _safe_query_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k)
-        out[:, q_start:q_stop], lse[:, q_start:q_stop] = tile
+        top = q.new_full((batch, q_stop - q_start), float("-inf"))  # running maximum m
+        total = q.new_zeros(batch, q_stop - q_start)  # running normaliser l
+        acc = q.new_zeros(batch, q_stop - q_start, d_v)  # running numerator (contiguous)
+        keys = _key_stop(causal, q_stop, n_k)
+        for k_start in range(0, keys, block_k):
+            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+            scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
+            new_top = torch.maximum(top, scores.amax(dim=-1))
+            # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
+            # there, so that exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+            shift = torch.where(new_top == float("-inf"), 0.0, new_top)
+            weights = scores.sub_(shift.unsqueeze(-1)).exp_()  # (B, bq, bk), in place
+            rescale = torch.exp(top - shift)  # e^{m - m'}; 0 while m = -inf
+            total.mul_(rescale).add_(weights.sum(dim=-1))
+            acc.mul_(rescale.unsqueeze(-1)).baddbmm_(weights, v[:, k_start:k_stop])
+            top = new_top
+        seen = total > 0  # False: no unmasked key, output stays 0 and lse -inf
+        torch.div(acc, torch.where(seen, total, 1.0).unsqueeze(-1), out=out[:, q_start:q_stop])
+        lse[:, q_start:q_stop] = torch.where(seen, top + torch.log(total), float("-inf"))
     return out, lse
 
 
@@ -253,12 +205,7 @@ def tiled_attention(
     ``i``. Queries are taken ``block_q`` at a time and keys ``block_k`` at a time; each
     ``block_q x block_k`` tile of scores updates a running maximum, normaliser and
     numerator per query (the online softmax, see the module docstring). All leading
-    dimensions (batch, heads) are processed together in each tile. Without padding, a
-    query tile first tries a cheaper form: one shift per query (the maximum of its first
-    key tile, folded into the score product) and the normaliser accumulated as a column
-    of ones beside the values, three operations per tile; if a later score is so much
-    larger that a sum leaves the float range, the tile is redone with the running
-    maximum (exact either way). Under autograd the
+    dimensions (batch, heads) are processed together in each tile. Under autograd the
     forward keeps only ``q, k, v``, the output and ``lse``; the backward recomputes the
     tiles (FlashAttention-2's backward).
 
