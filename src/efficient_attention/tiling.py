@@ -37,6 +37,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._blockwise import flatten_batch
 from ._checks import (
     check_bool,
     check_causal_lengths,
@@ -249,21 +250,11 @@ def tiled_attention(
     n_q, n_k, d, d_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     if causal:
         check_causal_lengths(n_q, n_k)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    if mask is not None:
-        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
-        # Padded keys and values become 0 so that NaN or inf there cannot reach a sum
-        # (the scores are masked to -inf; P = 0 times a NaN value would still be NaN).
-        k = k.masked_fill(mask.unsqueeze(-1), 0.0)
-        v = v.masked_fill(mask.unsqueeze(-1), 0.0)
-        mask = mask.expand(*batch, n_k).reshape(-1, n_k)
-    size = math.prod(batch)
-
-    def flat(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        x = x.to(dtype).expand(*batch, *x.shape[-2:]).reshape(size, *x.shape[-2:])
-        return x * scale if scale != 1.0 else x
-
-    out, lse = _TiledAttention.apply(flat(q, 1.0 / math.sqrt(d)), flat(k), flat(v), mask,
+    # Batch dimensions broadcast and flattened; padded keys and values become 0 so that
+    # NaN or inf there cannot reach a sum (P = 0 times a NaN value would still be NaN).
+    batch, (q_flat, k_flat, v_flat, mask) = flatten_batch(q.to(dtype), k.to(dtype),
+                                                          v.to(dtype), mask)
+    out, lse = _TiledAttention.apply(q_flat * (1.0 / math.sqrt(d)), k_flat, v_flat, mask,
                                      causal, block_q, block_k)
     out = out.reshape(*batch, n_q, d_v).to(q.dtype)
     lse = lse.reshape(*batch, n_q)
