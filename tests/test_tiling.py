@@ -297,6 +297,127 @@ def test_causal_skips_the_tiles_above_the_diagonal():
     assert counts == {False: 2 * 16, True: 2 * 10}
 
 
+def _count_fallbacks(monkeypatch):
+    """Count the query tiles that the forward redoes with the running maximum."""
+    import efficient_attention.tiling as tiling
+
+    calls = []
+    original = tiling._running_max_tile
+
+    def counted(*args):
+        calls.append(args[6] - args[5])  # (q_tile, k, v, mask, causal, q_start, q_stop, ..)
+        return original(*args)
+
+    monkeypatch.setattr(tiling, "_running_max_tile", counted)
+    return calls
+
+
+def _spike(n, d, key, gap, dtype):
+    """Queries with first coordinate 1 and keys near 0, except key ``key`` = ``gap sqrt(d)``
+    times the first axis: its score is exactly ``gap`` above 0 for every query, the other
+    scores are within ``0.1^2 d / sqrt(d)`` of 0."""
+    q = 0.1 * _randn(2, n, d, seed=60, dtype=dtype)
+    q[..., 0] = 1.0
+    k, v = 0.1 * _randn(2, n, d, seed=61, dtype=dtype), _randn(2, n, 3, seed=62, dtype=dtype)
+    k[:, key] = 0.0
+    k[:, key, 0] = gap * math.sqrt(d)
+    return q, k, v
+
+
+def _float32_tolerance(q, k, v):
+    """Bound on |tiled - exact| for float32 inputs: each score s_ij = q_i.k_j / sqrt(d) is
+    off by at most (d + 2) eps sum_c |q_ic k_jc| / sqrt(d) (a dot product, the scale and
+    log2 e), the exponential by a few ulps; a relative error delta in every weight moves
+    the output, a convex combination of values, by at most 2 delta max |v|."""
+    eps = torch.finfo(torch.float32).eps
+    score_error = (q.abs() @ k.abs().transpose(-2, -1)).max().item() / math.sqrt(q.shape[-1])
+    delta = (q.shape[-1] + 2) * eps * score_error + 4 * eps
+    return 2 * delta * v.abs().max().item() + 1e-6
+
+
+def test_ordinary_inputs_keep_one_shift_per_query(monkeypatch):
+    """No query tile of ordinary inputs (scores of order 1, padding that leaves a key in
+    every first tile) needs the running maximum; the result is exact in float64."""
+    fallbacks = _count_fallbacks(monkeypatch)
+    q, k = _randn(2, 3, 70, 8, seed=63), _randn(2, 3, 70, 8, seed=64)
+    v = _randn(2, 3, 70, 5, seed=65)
+    mask = _padding(2, 1, 70, seed=66)
+    mask[..., 0] = False  # key 0 is in every first tile
+    for causal in (False, True):
+        expected = ea.softmax_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        out = ea.tiled_attention(q, k, v, causal=causal, key_padding_mask=mask, block_size=(8, 16))
+        _assert_exact(out, expected)
+    assert fallbacks == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_gap_of_60_in_float32_needs_no_rescaling(monkeypatch, causal):
+    """A later score 60 above the first tile's maximum gives a weight 2^86.6: large, but a
+    float32 sum of such weights stays finite (below 2^128), so the shift of the first tile
+    is kept, and the quotient is as accurate as float32 allows."""
+    fallbacks = _count_fallbacks(monkeypatch)
+    q, k, v = _spike(64, 4, key=40, gap=60.0, dtype=torch.float32)
+    out = ea.tiled_attention(q, k, v, causal=causal, block_size=(8, 16))
+    expected = ea.softmax_attention(q.double(), k.double(), v.double(), causal=causal)
+    torch.testing.assert_close(out.double(), expected, rtol=0,
+                               atol=_float32_tolerance(q, k, v))
+    assert fallbacks == []
+    # the spike dominates: queries that see key 40 output (almost exactly) its value
+    torch.testing.assert_close(out[:, 40:], v[:, 40:41].expand(-1, 24, -1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "gap"), [(torch.float32, 100.0), (F64, 800.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sums_that_would_overflow_fall_back_to_the_running_maximum(monkeypatch, dtype, gap,
+                                                                     causal):
+    """e^gap overflows (float32 above e^88.7, float64 above e^709.8): the query tiles that
+    see the spike are redone with the running maximum, and the result is still exact."""
+    fallbacks = _count_fallbacks(monkeypatch)
+    q, k, v = _spike(64, 4, key=40, gap=gap, dtype=dtype)
+    out, lse = ea.tiled_attention(q, k, v, causal=causal, block_size=(8, 16), return_lse=True)
+    expected = ea.softmax_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    if dtype == F64:
+        _assert_exact(out, expected)
+        _assert_exact(lse, _reference_lse(q, k, causal=causal))
+    else:
+        torch.testing.assert_close(out.double(), expected, rtol=0,
+                                   atol=_float32_tolerance(q, k, v))
+    # every query sees key 40 unless causal, where only the 3 tiles from query 40 on do
+    assert fallbacks == ([8] * 3 if causal else [8] * 8)
+
+
+def test_a_query_with_no_key_in_its_first_tile_falls_back(monkeypatch):
+    """Padding over the whole first key tile leaves no shift to take: that batch element's
+    query tiles use the running maximum (all of them, as the batch shares the tiles)."""
+    fallbacks = _count_fallbacks(monkeypatch)
+    q, k, v = _randn(2, 40, 6, seed=67), _randn(2, 40, 6, seed=68), _randn(2, 40, 6, seed=69)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[1, :12] = True  # batch element 1: the first key tile (16 keys) has 4 visible keys
+    _assert_exact(ea.tiled_attention(q, k, v, key_padding_mask=mask, block_size=(8, 16)),
+                  ea.softmax_attention(q, k, v, key_padding_mask=mask))
+    assert fallbacks == []
+    mask[1, :16] = True  # now none
+    _assert_exact(ea.tiled_attention(q, k, v, key_padding_mask=mask, block_size=(8, 16)),
+                  ea.softmax_attention(q, k, v, key_padding_mask=mask))
+    assert fallbacks == [8] * 5
+
+
+def test_the_flop_counter_sees_both_products():
+    """2 n_q n_k (d + d_v) operations per batch element, the scores and the weighted sum of
+    values, as for standard attention; causal with one tile per block: (T + 1) / 2T."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = _randn(3, 96, 8, seed=70), _randn(3, 96, 8, seed=71), _randn(3, 96, 5, seed=72)
+    counted = {}
+    for causal in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            ea.tiled_attention(q, k, v, causal=causal, block_size=16)
+        counted[causal] = counter.get_total_flops()
+    assert counted[False] == 3 * 2 * 96 * 96 * (8 + 5)
+    assert counted[True] / counted[False] == (6 + 1) / (2 * 6)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     batch=st.lists(st.integers(1, 3), max_size=2),

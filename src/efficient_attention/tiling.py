@@ -19,6 +19,21 @@ pass recomputes each tile from ``q, k`` and ``lse``, ``P_ij = exp(s_ij - lse_i)`
 ``D_i = sum_c dO_ic O_ic`` so that ``dS = P * (dP - D)`` (FlashAttention-2, Dao 2023):
 nothing of size ``n_q x n_k`` is ever stored.
 
+Two shortcuts make the tiles cheaper, and both keep the result exact to working
+precision. (1) Base 2: ``e^s = 2^(s log2 e)``, so the queries are multiplied by
+``log2(e) / sqrt(d)`` and every exponential is an ``exp2``, several times cheaper than
+``exp`` on a CPU (FlashAttention-2 folds the same constant into its scale). (2) One shift
+per query: the running maximum only guards against overflow, and any shift ``m_i`` that
+keeps ``2^(s_ij - m_i)`` in the float range gives the same quotient ``acc_i / l_i``. The
+forward takes ``m_i`` from the first key tile of each query and keeps it: later tiles
+need no maximum, no subtraction pass (the shift is subtracted inside the score product)
+and no rescaling, three passes over a tile instead of five. ``l_i >= 1``, since the first
+tile's maximum has weight ``2^0``; a weight that underflows is below ``2^-126`` (float32)
+of that one. If a later score exceeds ``m_i`` by so much that a sum overflows, or a query
+sees no key in its first tile, that query tile is recomputed with the running maximum
+(FlashAttention-4 likewise rescales only when the maximum has grown enough to
+threaten the float range).
+
 The same rescaling merges two attention results over disjoint sets of keys
 (:func:`merge_softmax_partials`): it is how attention over a sequence split across
 devices (ring attention, split-KV decoding) is combined.
@@ -57,6 +72,9 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 # times slower (they leave the cache), 64 or 128 queries per tile 1.2 to 1.6 times slower.
 DEFAULT_BLOCK_SIZE = (256, 512)
 
+_LOG2E = 1.0 / math.log(2.0)  # e^s = 2^(s log2 e): exp2 is several times cheaper than exp
+_LN2 = math.log(2.0)
+
 
 def _block_sizes(block_size: object) -> tuple[int, int]:
     """``None`` -> the default; an int -> square tiles; a pair -> (queries, keys)."""
@@ -84,9 +102,11 @@ def _future_mask(q_start: int, q_stop: int, k_start: int, k_stop: int,
     return cols > rows
 
 
-def _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop):
-    """Scores of one tile ``(B, bq, bk)``, with masked keys at -inf (masked_fill, not * 0)."""
-    scores = q_tile @ k[:, k_start:k_stop].transpose(-2, -1)
+def _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop, shift=None):
+    """One tile ``(B, bq, bk)`` of ``q_tile k^T - shift``, masked keys at -inf (masked_fill,
+    not * 0). ``shift (B, bq, 1)`` is subtracted inside the product (``baddbmm``)."""
+    keys = k[:, k_start:k_stop].transpose(-2, -1)
+    scores = q_tile @ keys if shift is None else torch.baddbmm(shift, q_tile, keys, beta=-1)
     hidden = _future_mask(q_start, q_stop, k_start, k_stop, q_tile.device) if causal else None
     if mask is not None:
         padding = mask[:, None, k_start:k_stop]  # (B, 1, bk)
@@ -101,35 +121,90 @@ def _key_stop(causal: bool, q_stop: int, n_k: int) -> int:
     return min(q_stop, n_k) if causal else n_k
 
 
+def _accumulate(acc, weights, values):
+    """``acc += weights @ values`` in place, as ``baddbmm(out=)``: one product, which
+    PyTorch's FLOP counter sees (it does not count the in-place ``baddbmm_``)."""
+    return torch.baddbmm(acc, weights, values, out=acc)
+
+
+def _fixed_shift_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
+    """One query tile with a single shift per query: base-2 output and ``lse``, or None.
+
+    ``q_tile`` holds ``q log2(e) / sqrt(d)``, so scores are in base 2. Each query's shift
+    ``m_i`` is the maximum of its scores in the first key tile; every later tile is
+    ``2^(s_ij - m_i)`` with the shift subtracted inside the score product, and its sum and
+    product with the values are added without rescaling. Exact: the sums are the online
+    softmax's with ``m_i`` in place of the running maximum, ``l_i >= 1`` (the first tile's
+    maximum has weight ``2^0``), and a weight that underflows is below ``2^-126`` of that
+    one. Returns None when the shortcut does not apply: a query sees no key in the first
+    tile (maximum -inf) or not a finite one, or a later score exceeds ``m_i`` so much that a
+    sum leaves the float range; the caller then runs :func:`_running_max_tile`.
+    """
+    batch, rows = q_tile.shape[:2]
+    total = q_tile.new_zeros(batch, rows)  # l
+    acc = q_tile.new_zeros(batch, rows, v.shape[2])  # unnormalised output
+    shift = None
+    keys = _key_stop(causal, q_stop, k.shape[1])
+    for k_start in range(0, keys, block_k):
+        k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+        scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop, shift)
+        if shift is None:  # first key tile: the shift is its maximum
+            shift = scores.amax(dim=-1, keepdim=True)  # (B, bq, 1)
+            if not bool(torch.isfinite(shift).all()):
+                return None
+            scores.sub_(shift)
+        weights = scores.exp2_()  # 2^(s - m), in place
+        total.add_(weights.sum(dim=-1))
+        _accumulate(acc, weights, v[:, k_start:k_stop])
+        del scores, weights  # free the tile before the next one is made
+    if shift is None or not bool(torch.isfinite(total).all() and torch.isfinite(acc).all()):
+        return None
+    return acc.div_(total.unsqueeze(-1)), shift.squeeze(-1) + torch.log2(total)
+
+
+def _running_max_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
+    """One query tile by the online softmax with a running maximum (base 2, never fails).
+
+    Returns the output ``(B, bq, d_v)`` and the base-2 ``lse (B, bq)``; a query with no
+    visible key gets zeros and ``-inf``.
+    """
+    batch, rows = q_tile.shape[:2]
+    top = q_tile.new_full((batch, rows), float("-inf"))  # running maximum m
+    total = q_tile.new_zeros(batch, rows)  # running normaliser l
+    acc = q_tile.new_zeros(batch, rows, v.shape[2])  # running numerator
+    keys = _key_stop(causal, q_stop, k.shape[1])
+    for k_start in range(0, keys, block_k):
+        k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+        scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
+        new_top = torch.maximum(top, scores.amax(dim=-1))
+        # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
+        # there, so that 2^(-inf - 0) = 0 instead of 2^(-inf + inf) = NaN.
+        shift = torch.where(new_top == float("-inf"), 0.0, new_top)
+        weights = scores.sub_(shift.unsqueeze(-1)).exp2_()  # (B, bq, bk), in place
+        rescale = torch.exp2(top - shift)  # 2^(m - m'); 0 while m = -inf
+        total.mul_(rescale).add_(weights.sum(dim=-1))
+        _accumulate(acc.mul_(rescale.unsqueeze(-1)), weights, v[:, k_start:k_stop])
+        top = new_top
+        del scores, weights  # free the tile before the next one is made
+    seen = total > 0  # False: no visible key, the output stays 0 and lse -inf
+    out = acc.div_(torch.where(seen, total, 1.0).unsqueeze(-1))
+    return out, torch.where(seen, top + torch.log2(total), float("-inf"))
+
+
 def _forward(q, k, v, mask, causal, block_q, block_k):
     """Tiled online-softmax forward on ``(B, n, d)``: returns ``out (B, n_q, d_v)`` and
     ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``."""
     batch, n_q, _ = q.shape
-    n_k, d_v = k.shape[1], v.shape[2]
-    out = q.new_empty(batch, n_q, d_v)
+    out = q.new_empty(batch, n_q, v.shape[2])
     lse = q.new_empty(batch, n_q)
     for q_start in range(0, n_q, block_q):
         q_stop = min(q_start + block_q, n_q)
-        q_tile = q[:, q_start:q_stop]
-        top = q.new_full((batch, q_stop - q_start), float("-inf"))  # running maximum m
-        total = q.new_zeros(batch, q_stop - q_start)  # running normaliser l
-        acc = q.new_zeros(batch, q_stop - q_start, d_v)  # running numerator (contiguous)
-        keys = _key_stop(causal, q_stop, n_k)
-        for k_start in range(0, keys, block_k):
-            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
-            scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
-            new_top = torch.maximum(top, scores.amax(dim=-1))
-            # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
-            # there, so that exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-            shift = torch.where(new_top == float("-inf"), 0.0, new_top)
-            weights = scores.sub_(shift.unsqueeze(-1)).exp_()  # (B, bq, bk), in place
-            rescale = torch.exp(top - shift)  # e^{m - m'}; 0 while m = -inf
-            total.mul_(rescale).add_(weights.sum(dim=-1))
-            acc.mul_(rescale.unsqueeze(-1)).baddbmm_(weights, v[:, k_start:k_stop])
-            top = new_top
-        seen = total > 0  # False: no unmasked key, output stays 0 and lse -inf
-        torch.div(acc, torch.where(seen, total, 1.0).unsqueeze(-1), out=out[:, q_start:q_stop])
-        lse[:, q_start:q_stop] = torch.where(seen, top + torch.log(total), float("-inf"))
+        q_tile = q[:, q_start:q_stop] * _LOG2E  # base-2 scores: 2^(s log2 e) = e^s
+        tile = _fixed_shift_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k)
+        if tile is None:
+            tile = _running_max_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k)
+        out[:, q_start:q_stop] = tile[0]
+        torch.mul(tile[1], _LN2, out=lse[:, q_start:q_stop])  # back to base e
     return out, lse
 
 
@@ -137,28 +212,31 @@ def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
     """FlashAttention-2 backward by recomputation. ``delta = rowsum(dO * O) - dlse``.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = dS K``,
-    ``dK = dS^T Q`` (with the ``1/sqrt(d)`` folded into ``q``), one tile at a time.
+    ``dK = dS^T Q`` (with the ``1/sqrt(d)`` folded into ``q``), one tile at a time;
+    ``P = 2^(s log2 e - lse log2 e)`` with the shift subtracted inside the score product.
     """
     n_q, n_k = q.shape[1], k.shape[1]
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # Rows without any unmasked key have lse = -inf and all their scores at -inf: any
+    # Rows without any visible key have lse = -inf and all their scores at -inf: any
     # finite shift gives P = 0 there.
-    shift = torch.where(lse == float("-inf"), 0.0, lse)
+    shift = torch.where(lse == float("-inf"), 0.0, lse).mul_(_LOG2E)
     for q_start in range(0, n_q, block_q):
         q_stop = min(q_start + block_q, n_q)
         q_tile, d_out = q[:, q_start:q_stop], grad_out[:, q_start:q_stop]
+        q_base2 = q_tile * _LOG2E
         row_shift = shift[:, q_start:q_stop].unsqueeze(-1)
         row_delta = delta[:, q_start:q_stop].unsqueeze(-1)
         keys = _key_stop(causal, q_stop, n_k)
         for k_start in range(0, keys, block_k):
             k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
-            scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
-            probs = scores.sub_(row_shift).exp_()  # P, recomputed
-            grad_v[:, k_start:k_stop].baddbmm_(probs.transpose(-2, -1), d_out)
+            probs = _tile_scores(q_base2, k, mask, causal, q_start, q_stop, k_start, k_stop,
+                                 row_shift).exp2_()  # P, recomputed
+            _accumulate(grad_v[:, k_start:k_stop], probs.transpose(-2, -1), d_out)
             grad_scores = d_out @ v[:, k_start:k_stop].transpose(-2, -1)  # dP
             grad_scores.sub_(row_delta).mul_(probs)  # dS
-            grad_q[:, q_start:q_stop].baddbmm_(grad_scores, k[:, k_start:k_stop])
-            grad_k[:, k_start:k_stop].baddbmm_(grad_scores.transpose(-2, -1), q_tile)
+            _accumulate(grad_q[:, q_start:q_stop], grad_scores, k[:, k_start:k_stop])
+            _accumulate(grad_k[:, k_start:k_stop], grad_scores.transpose(-2, -1), q_tile)
+            del probs, grad_scores  # free both tiles before the next ones are made
     return grad_q, grad_k, grad_v
 
 
@@ -204,8 +282,10 @@ def tiled_attention(
 
     the sums running over the keys that are neither padding nor (when causal) after
     ``i``. Queries are taken ``block_q`` at a time and keys ``block_k`` at a time; each
-    ``block_q x block_k`` tile of scores updates a running maximum, normaliser and
-    numerator per query (the online softmax, see the module docstring). All leading
+    ``block_q x block_k`` tile of scores updates a normaliser and a numerator per query
+    (the online softmax, in base 2 and with one shift per query taken from the first key
+    tile; a query tile whose sums would overflow is redone with the running maximum, see
+    the module docstring). All leading
     dimensions (batch, heads) are processed together in each tile. Under autograd the
     forward keeps only ``q, k, v``, the output and ``lse``; the backward recomputes the
     tiles (FlashAttention-2's backward).
@@ -231,12 +311,13 @@ def tiled_attention(
         NaN). float16 and bfloat16 inputs are computed in float32 and the output is cast
         back; ``lse`` stays in the compute dtype (float32 or float64).
 
-    Cost: time ``O(n_q n_k (d + d_v))`` forward and about 2.5 times that backward
-    (about half of each when causal). Extra memory ``O(B n (d + d_v) + B block_q
-    block_k)`` for ``B`` batch elements and ``n = max(n_q, n_k)``: the output, the
-    ``lse``, a scaled copy of ``q`` (and of ``k, v`` when padded or in half precision)
-    and one or two tiles of scores, never ``n_q x n_k``; a training step stores only
-    ``q, k, v``, the output and ``lse``.
+    Cost: time ``O(n_q n_k (d + d_v))`` forward (two products and three elementwise
+    passes per tile) and about 2.5 times that backward (about half of each when causal;
+    twice the forward for a query tile that falls back to the running maximum). Extra
+    memory ``O(B n (d + d_v) + B block_q block_k)`` for ``B`` batch elements and
+    ``n = max(n_q, n_k)``: the output, the ``lse``, a scaled copy of ``q`` (and of
+    ``k, v`` when padded or in half precision) and one or two tiles of scores, never
+    ``n_q x n_k``; a training step stores only ``q, k, v``, the output and ``lse``.
 
     References: Milakov and Gimelshein 2018 (online softmax); Rabe and Staats 2021;
     Dao et al. 2022 (FlashAttention); Dao 2023 (FlashAttention-2).
