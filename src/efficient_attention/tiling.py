@@ -27,12 +27,12 @@ per query: the running maximum only guards against overflow, and any shift ``m_i
 keeps ``2^(s_ij - m_i)`` in the float range gives the same quotient ``acc_i / l_i``. The
 forward takes ``m_i`` from the first key tile of each query and keeps it: later tiles
 need no maximum, no subtraction pass (the shift is subtracted inside the score product)
-and no rescaling, three passes over a tile instead of five. ``l_i >= 1``, since the first
-tile's maximum has weight ``2^0``; a weight that underflows is below ``2^-126`` (float32)
-of that one. If a later score exceeds ``m_i`` by so much that a sum overflows, or a query
-sees no key in its first tile, that query tile is recomputed with the running maximum
-(FlashAttention-4 likewise rescales only when the maximum has grown enough to
-threaten the float range).
+and no rescaling, two elementwise passes (exponential, sum) instead of four. ``l_i >= 1``,
+since the first tile's maximum has weight ``2^0``; a weight that underflows is below
+``2^-126`` (float32) of that one. If a later score exceeds ``m_i`` by so much that a sum
+overflows, or a query sees no key in its first tile, that query tile is recomputed with
+the running maximum (FlashAttention-4 likewise rescales only when the maximum has grown
+enough to threaten the float range).
 
 The same rescaling merges two attention results over disjoint sets of keys
 (:func:`merge_softmax_partials`): it is how attention over a sequence split across
@@ -65,12 +65,14 @@ from ._checks import (
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 
-# (queries, keys) per tile, from the tile sweeps of benchmarks/tiled_attention.py (forward,
-# (1, 8, n, 64) float32, two CPU cores, n = 4096, on a shared machine): 256 x 512 and
-# 512 x 512 were the fastest, within about 10% of each other in either order (256 x 512
-# keeps 8 x 256 x 512 floats, 4 MiB, of scores); tiles spanning 4096 keys ran 1.4 to 1.6
-# times slower (they leave the cache), 64 or 128 queries per tile 1.2 to 1.6 times slower.
-DEFAULT_BLOCK_SIZE = (256, 512)
+# (queries, keys) per tile, from the tile sweep of benchmarks/tiled_attention.py (forward,
+# (1, 8, n, 64) float32, two CPU cores, n = 8192, idle machine, base-2 forward with one
+# shift per query): 512 x 512 and 512 x 256 were the fastest, at SDPA's time within 2%;
+# 256 x 512 took 1.11 times SDPA's time, 128 queries per tile 1.18 to 1.23, 64 queries
+# 1.45, and one key tile spanning all 8192 keys 2.3 (its scores leave the cache). A causal
+# training step at n = 8192: 512 x 512 1.40 times SDPA's, 256 x 512 1.62. 512 x 512 keeps
+# 8 x 512 x 512 floats, 8 MiB, of scores per tile.
+DEFAULT_BLOCK_SIZE = (512, 512)
 
 _LOG2E = 1.0 / math.log(2.0)  # e^s = 2^(s log2 e): exp2 is several times cheaper than exp
 _LN2 = math.log(2.0)
@@ -311,9 +313,10 @@ def tiled_attention(
         NaN). float16 and bfloat16 inputs are computed in float32 and the output is cast
         back; ``lse`` stays in the compute dtype (float32 or float64).
 
-    Cost: time ``O(n_q n_k (d + d_v))`` forward (two products and three elementwise
-    passes per tile) and about 2.5 times that backward (about half of each when causal;
-    twice the forward for a query tile that falls back to the running maximum). Extra
+    Cost: time ``O(n_q n_k (d + d_v))`` forward (two products and two elementwise
+    passes per tile, three where masked) and about 2.5 times that backward (about half
+    of each when causal; twice the forward for a query tile that falls back to the
+    running maximum). Extra
     memory ``O(B n (d + d_v) + B block_q block_k)`` for ``B`` batch elements and
     ``n = max(n_q, n_k)``: the output, the ``lse``, a scaled copy of ``q`` (and of
     ``k, v`` when padded or in half precision) and one or two tiles of scores, never
