@@ -66,12 +66,11 @@ from ._checks import (
 __all__ = ["DEFAULT_BLOCK_SIZE", "tiled_attention", "merge_softmax_partials"]
 
 # (queries, keys) per tile, from the tile sweep of benchmarks/tiled_attention.py (forward,
-# (1, 8, n, 64) float32, two CPU cores, n = 8192, idle machine, base-2 forward with one
-# shift per query): 512 x 512 and 512 x 256 were the fastest, at SDPA's time within 2%;
-# 256 x 512 took 1.11 times SDPA's time, 128 queries per tile 1.18 to 1.23, 64 queries
-# 1.45, and one key tile spanning all 8192 keys 2.3 (its scores leave the cache). A causal
-# training step at n = 8192: 512 x 512 1.40 times SDPA's, 256 x 512 1.62. 512 x 512 keeps
-# 8 x 512 x 512 floats, 8 MiB, of scores per tile.
+# (1, 8, n, 64) float32, two CPU cores, n = 8192, idle machine; results/tiled_attention.md):
+# 512 x 512 took 1.13 times SDPA's time, 512 x 256 1.17, 256 x 512 1.22, 1024 x 512 1.30,
+# 128 queries per tile 1.46 to 1.89, 64 queries 2.05, and one key tile spanning all 8192
+# keys 2.22 (its scores leave the cache). 512 x 512 keeps 8 x 512 x 512 floats, 8 MiB, of
+# scores per tile; the backward uses the same tiles.
 DEFAULT_BLOCK_SIZE = (512, 512)
 
 _LOG2E = 1.0 / math.log(2.0)  # e^s = 2^(s log2 e): exp2 is several times cheaper than exp
