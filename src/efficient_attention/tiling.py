@@ -117,9 +117,11 @@ def _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop, shif
     return scores
 
 
-def _key_stop(causal: bool, q_stop: int, n_k: int) -> int:
-    """Keys a query tile needs: all of them, or (causal) those up to its last query."""
-    return min(q_stop, n_k) if causal else n_k
+def _key_tiles(causal: bool, q_stop: int, n_k: int, block_k: int) -> list[tuple[int, int]]:
+    """``(k_start, k_stop)`` of the key tiles a query tile needs: all keys, or (causal)
+    those up to its last query, so that no tile holds a key after the last query."""
+    keys = min(q_stop, n_k) if causal else n_k
+    return [(start, min(start + block_k, keys)) for start in range(0, keys, block_k)]
 
 
 def _accumulate(acc, weights, values):
@@ -145,9 +147,7 @@ def _fixed_shift_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
     total = q_tile.new_zeros(batch, rows)  # l
     acc = q_tile.new_zeros(batch, rows, v.shape[2])  # unnormalised output
     shift = None
-    keys = _key_stop(causal, q_stop, k.shape[1])
-    for k_start in range(0, keys, block_k):
-        k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+    for k_start, k_stop in _key_tiles(causal, q_stop, k.shape[1], block_k):
         scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop, shift)
         if shift is None:  # first key tile: the shift is its maximum
             shift = scores.amax(dim=-1, keepdim=True)  # (B, bq, 1)
@@ -173,9 +173,7 @@ def _running_max_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
     top = q_tile.new_full((batch, rows), float("-inf"))  # running maximum m
     total = q_tile.new_zeros(batch, rows)  # running normaliser l
     acc = q_tile.new_zeros(batch, rows, v.shape[2])  # running numerator
-    keys = _key_stop(causal, q_stop, k.shape[1])
-    for k_start in range(0, keys, block_k):
-        k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+    for k_start, k_stop in _key_tiles(causal, q_stop, k.shape[1], block_k):
         scores = _tile_scores(q_tile, k, mask, causal, q_start, q_stop, k_start, k_stop)
         new_top = torch.maximum(top, scores.amax(dim=-1))
         # Rows that have seen only masked keys keep a maximum of -inf: shift by 0
@@ -227,9 +225,7 @@ def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
         q_base2 = q_tile * _LOG2E
         row_shift = shift[:, q_start:q_stop].unsqueeze(-1)
         row_delta = delta[:, q_start:q_stop].unsqueeze(-1)
-        keys = _key_stop(causal, q_stop, n_k)
-        for k_start in range(0, keys, block_k):
-            k_stop = min(k_start + block_k, keys)  # causal: no key after the last query
+        for k_start, k_stop in _key_tiles(causal, q_stop, n_k, block_k):
             probs = _tile_scores(q_base2, k, mask, causal, q_start, q_stop, k_start, k_stop,
                                  row_shift).exp2_()  # P, recomputed
             _accumulate(grad_v[:, k_start:k_stop], probs.transpose(-2, -1), d_out)
