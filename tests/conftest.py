@@ -4,7 +4,8 @@
 - With pytest-xdist and ``--dist loadgroup`` (``make grading``, ``make test``), the tests of one
   assignment in tests/test_grading.py go to one worker, which grades that assignment once; the
   cells of one notebook (nbval) go to one worker, which runs them in order in one kernel; and
-  the browser tests go to one worker, which starts one Chromium. xdist's own ``xdist_group``
+  the browser tests go to one worker, which starts one Chromium. ``make test`` hands out the
+  longest groups first (``cost_rank``). xdist's own ``xdist_group``
   mark does not work with pytest 9 (xdist 3.8 renames the items' node ids, which pytest 9 no
   longer allows), so the groups are read from the node ids.
 """
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: the order xdist hands groups out in
+        items.sort(key=lambda item: cost_rank(item.nodeid))  # stable: groups stay in order
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device; none is visible")
@@ -30,14 +33,35 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Files whose module fixtures are too costly to set up twice (one Chromium; one graded course).
+# In tests/test_sandbox.py only the tests of the graded course (``attacked``) need to stay
+# together: the two that grade or drive a kernel of their own may run elsewhere.
 WHOLE_FILES = ("tests/test_browser.py", "tests/test_sandbox.py")
+ALONE_IN_WHOLE_FILES = ("test_sandbox_alone_holds", "test_sandboxed_kernel_directly")
+
+# The order in which ``make test`` hands out its groups (with --no-loadscope-reorder): the
+# longest first (a minute or two each: a graded assignment, the sandbox's graded course, the
+# browser checks, which may first install Chromium), then the benchmark scripts' quick runs
+# (tens of seconds), the notebooks (seconds), and the unit tests (milliseconds), which fill
+# the gaps at the end.
+COST_RANKS = (("tests/test_grading.py", "tests/test_sandbox.py", "tests/test_browser.py"),
+              ("tests/test_benchmark",))
+
+
+def cost_rank(nodeid: str) -> int:
+    path = nodeid.partition("::")[0]
+    for rank, prefixes in enumerate(COST_RANKS):
+        if path.startswith(prefixes):
+            return rank
+    return len(COST_RANKS) + (0 if path.endswith(".ipynb") else 1)
 
 
 def work_unit(nodeid: str, assignments: set[str]) -> str:
-    """The group of tests that must run in one worker: a notebook, a file of WHOLE_FILES, or one
-    assignment of tests/test_grading.py (ids ``[name]`` and ``[name-student]``); else the test
-    alone."""
+    """The group of tests that must run in one worker: a notebook, a file of WHOLE_FILES (but
+    ALONE_IN_WHOLE_FILES), or one assignment of tests/test_grading.py (ids ``[name]`` and
+    ``[name-student]``); else the test alone."""
     path, _, rest = nodeid.partition("::")
+    if path in WHOLE_FILES and rest.partition("[")[0] in ALONE_IN_WHOLE_FILES:
+        return nodeid
     if path.endswith(".ipynb") or path in WHOLE_FILES:
         return path
     if path.endswith("test_grading.py"):

@@ -27,9 +27,9 @@ _toc.yml, whoever wrote it:
 `test_page_checks_catch_what_they_should` runs the same checks on a small synthetic page, so a
 check that silently stopped finding anything would fail there.
 
-Run after `make book` (`make browser` does both). A missing chromium or a missing build is a
-failure, not a skip: `make browser` installs chromium first (.ci/ensure-packages) and builds
-the book.
+Run after `make book` (`make browser` does both). A missing chromium is installed by the
+`browser` fixture when it can (as root, .ci/ensure-packages); otherwise it, like a missing
+build, is a failure with the command to run, never a skip.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -118,13 +119,25 @@ def site_url():
     thread.join(timeout=10)
 
 
+def _ensure_chromium() -> None:
+    """Install Debian's chromium when CHROMIUM_PATH is missing (as root, through
+    .ci/ensure-packages, which tells anyone else the one command to run). Done here, by the
+    worker that runs these tests, so that in ``make test`` the install overlaps the other
+    tests instead of delaying them all."""
+    if CHROMIUM.is_file():
+        return
+    result = subprocess.run([str(ROOT / ".ci" / "ensure-packages"), "chromium", str(CHROMIUM)],
+                            capture_output=True, text=True)
+    if result.returncode != 0 or not CHROMIUM.is_file():
+        pytest.fail(
+            f"{CHROMIUM} is missing and could not be installed:\n{result.stderr.strip()}\n"
+            "(or set CHROMIUM_PATH to another Chromium)"
+        )
+
+
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.is_file():
-        pytest.fail(
-            f"{CHROMIUM} is missing: install Debian's chromium (`make chromium` does, as "
-            "root), or set CHROMIUM_PATH to another Chromium"
-        )
+    _ensure_chromium()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -194,15 +207,31 @@ def visit(browser, site_url, request):
         page_visit.close()
 
 
+@pytest.fixture(scope="module")
+def loaded(browser, site_url):
+    """``load(path)``: the page, loaded once for the whole module. The per-page tests share it
+    (one load and one MathJax typesetting per page, not one per test); closed at the end."""
+    visits: dict[str, PageVisit] = {}
+
+    def load(path: str) -> PageVisit:
+        if path not in visits:
+            visits[path] = PageVisit(browser, urljoin(site_url, path))
+        return visits[path]
+
+    yield load
+    for page_visit in visits.values():
+        page_visit.close()
+
+
 def _html_path(entry: str) -> str:
     return "index.html" if entry == "index" else f"{entry}.html"
 
 
 @pytest.mark.parametrize("entry", PAGES)
-def test_page_works_offline(visit, site_url, entry):
+def test_page_works_offline(loaded, site_url, entry):
     path = _html_path(entry)
     assert (SITE / path).is_file(), f"{path} was not built (is it in _toc.yml?)"
-    v = visit(path)
+    v = loaded(path)
     page = v.page
     assert v.response is not None and v.response.ok, f"{path}: {v.response and v.response.status}"
     page.wait_for_load_state("networkidle", timeout=4 * TIMEOUT_MS)  # slow on a busy machine
@@ -232,9 +261,9 @@ def test_page_works_offline(visit, site_url, entry):
 
 
 @pytest.mark.parametrize("entry", [e for e in PAGES[1:] if _is_notebook(e)])
-def test_chapter_offers_its_notebook(visit, site_url, entry):
+def test_chapter_offers_its_notebook(loaded, site_url, entry):
     path = _html_path(entry)
-    v = visit(path)
+    v = loaded(path)
     links = v.page.locator("a[href$='.ipynb']")
     hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
     name = f"{Path(entry).name}.ipynb"
@@ -355,10 +384,10 @@ def _wait_for_math(page, timeout_ms: int = 4 * TIMEOUT_MS) -> None:
 
 
 @pytest.mark.parametrize("entry", PAGES[1:])
-def test_page_reads_cleanly(visit, entry):
+def test_page_reads_cleanly(loaded, entry):
     """No raw LaTeX, no warning or traceback in outputs, figure code folded (see the docstring)."""
     path = _html_path(entry)
-    v = visit(path)  # returns after the load event: the DOM and the deferred scripts are there
+    v = loaded(path)  # after the load event at least: the DOM and the deferred scripts are there
     _wait_for_math(v.page)
     problems = v.page.evaluate(PAGE_CHECKS_JS)
     assert not problems, f"{path}: {len(problems)} problem(s):\n" + "\n".join(problems[:20])

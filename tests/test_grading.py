@@ -390,6 +390,22 @@ def test_student_scores_what_it_should_and_gradebook_agrees(graded, student):
     assert csv_scores == expected, student
 
 
+def test_solution_runs_cleanly(graded):
+    """Every code cell of the instructor's solution, graded in the sandbox, runs without an
+    error or a stderr stream, tests or not (what notebook validation of the source checks:
+    ``make test`` does not also run the sources through nbval)."""
+    name, course = graded["name"], graded["course"]
+    nb = nbformat.read(course / "autograded" / "solution" / name / f"{name}.ipynb",
+                       as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code and all(cell.get("execution_count") for cell in code), "cells did not run"
+    problems = [f"cell {nb.cells.index(cell) + 1}: {output.get('ename') or output.get('text')}"
+                for cell in code for output in cell.outputs
+                if output.output_type == "error"
+                or (output.output_type == "stream" and output.name == "stderr")]
+    assert not problems, problems
+
+
 def test_cheater_really_attacks(graded):
     """The cheater holds at least one attack (there is one for every other answer cell)."""
     if len(common.answers(graded["source"])) < 2:

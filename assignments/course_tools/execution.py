@@ -52,6 +52,10 @@ class GuardedExecute(Execute):
 
     max_stopped_cells = Integer(5, help="Cells that may be stopped before the notebook is "
                                         "given up (each costs one more run).").tag(config=True)
+    interrupt_grace_s = Integer(2, help=(
+        "Seconds a cell gets to stop after the interrupt sent at its time limit; a cell still "
+        "running then is given up (its kernel killed, the notebook run again without it)."
+    )).tag(config=True)
     max_output_bytes = Integer(2 * 1024 * 1024, help=(
         "Output a cell may send (text, images, errors), in bytes; past it the cell is "
         "interrupted and fails with OutputLimitError.")).tag(config=True)
@@ -106,12 +110,22 @@ class GuardedExecute(Execute):
                                  store_history=True):
         box = self._sandbox()
         watch = asyncio.ensure_future(self._watch_processes(box, cell_index)) if box else None
+        iopub_timeout = self.iopub_timeout
         try:
             return await super().async_execute_cell(cell, cell_index, execution_count,
                                                     store_history)
         finally:
+            self.iopub_timeout = iopub_timeout
             if watch is not None:
                 watch.cancel()
+
+    async def _async_handle_timeout(self, timeout, cell=None):
+        """At the time limit nbclient interrupts the kernel and then waits ``iopub_timeout``
+        for the cell to end; here it waits ``interrupt_grace_s`` (an interrupted cell that
+        stops, stops within milliseconds; one that does not costs this wait each time)."""
+        reply = await super()._async_handle_timeout(timeout, cell)
+        self.iopub_timeout = min(self.iopub_timeout, self.interrupt_grace_s)
+        return reply
 
     async def _watch_processes(self, box, cell_index):
         alarm = PROCESS_ALARM * box.sandbox.max_processes

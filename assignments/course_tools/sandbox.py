@@ -282,6 +282,13 @@ class SandboxedKernelManager(AsyncKernelManager):
     def _client_factory_default(self):
         return CappedKernelClient
 
+    @default("shutdown_wait_time")
+    def _shutdown_wait_time_default(self):
+        # A graded kernel holds nothing worth a graceful exit: one that does not answer the
+        # shutdown request (a cell that ignored the interrupt) gets SIGTERM after half of
+        # this, SIGKILL after all of it (jupyter_client's default is 5 s).
+        return 1.0
+
     def client(self, **kwargs):
         kwargs.setdefault("max_message_bytes", self.max_message_bytes)
         return super().client(**kwargs)

@@ -51,10 +51,19 @@ WARNING_WRAPPER = ("_honest_{name} = {name}\n\n\n"
                    "    torch.tensor(torch.zeros(1))  # UserWarning: copy-constructing a tensor\n"
                    "    print('SECRET-INPUTS', args, kwargs)\n"
                    "    return _honest_{name}(*args, **kwargs)")
+# Two ways for a cell to ignore the interrupt at the time limit: a spinning loop that catches
+# KeyboardInterrupt (one assignment: it holds a core for the whole limit), and a wait in one
+# native call that ignores SIGINT and uses no CPU (the others: the battery's time limits then
+# leave the cores to the other tests). The grader sees the same thing: no reply.
 INTERRUPT_PROOF_LOOP = ("    while True:\n"
                         "        try:\n"
                         "            while True:\n"
                         "                pass\n"
+                        "        except KeyboardInterrupt:\n"
+                        "            pass\n")
+INTERRUPT_PROOF_WAIT = ("    while True:\n"
+                        "        try:\n"
+                        "            torch.futures.Future().wait()  # never completes\n"
                         "        except KeyboardInterrupt:\n"
                         "            pass\n")
 
@@ -164,8 +173,9 @@ def cheater(source, offset: int = 0):
 
 
 def broken(source, offset: int = 0):
-    """An interrupt-proof loop, a syntax error, and test cells duplicated, renamed,
-    re-typed and deleted (with the grader-tools cell deleted too).
+    """An interrupt-proof loop (``offset`` 0; otherwise an interrupt-proof blocking wait), a
+    syntax error, and test cells duplicated, renamed, re-typed and deleted (with the
+    grader-tools cell deleted too).
 
     Returns (notebook, test cells that must score 0, what was done).
     """
@@ -183,9 +193,10 @@ def broken(source, offset: int = 0):
     head, rest = body[0], body[1]
     signature_end = rest.index(":\n") + 2
     # the loop runs first thing in the function (after its signature and docstring)
-    loop_cell.source = head + f"def {name}(" + rest[:signature_end] + INTERRUPT_PROOF_LOOP + \
+    hang = INTERRUPT_PROOF_LOOP if offset == 0 else INTERRUPT_PROOF_WAIT
+    loop_cell.source = head + f"def {name}(" + rest[:signature_end] + hang + \
         rest[signature_end:]
-    done.append(f"loop in {name}")
+    done.append(f"{'loop' if offset == 0 else 'blocking wait'} in {name}")
     broken_cells = {grade_id(loop_cell)}
     # the syntax error goes where it does not keep the loop from being reached
     looping_tests = dependent_tests(source, {grade_id(loop_cell)})
