@@ -180,6 +180,27 @@ def test_inference_path_matches_autograd_path_and_w_gets_gradients(qkv):
         assert w.grad is not None and torch.isfinite(w.grad).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("only", ["q", "k", "v", "w"])
+def test_a_gradient_for_one_input_alone_matches(qkv, causal, only):
+    """Without autograd the blocks reuse buffers; when any one input (or w) requires a
+    gradient none may be reused (autograd keeps them). Its gradient alone equals its
+    gradient when all four require one, over several blocks of several batch rows."""
+    inputs = dict(zip("qkv", qkv, strict=True), w=frequencies(16, 8))
+    grad_out = torch.randn(2, 3, 29, 5, generator=torch.Generator().manual_seed(1),
+                           dtype=torch.float64)
+
+    def gradients(names):
+        leaves = {name: t.detach().clone().requires_grad_(name in names)
+                  for name, t in inputs.items()}
+        out = ea.favor_attention(leaves["q"], leaves["k"], leaves["v"], leaves["w"],
+                                 causal=causal, block_size=8, chunk_size=4)
+        (out * grad_out).sum().backward()
+        return {name: leaves[name].grad for name in names}
+
+    torch.testing.assert_close(gradients({only})[only], gradients(set(inputs))[only])
+
+
 def test_causal_backward_memory_is_linear_in_n():
     """Autograd keeps O(n (m + d)) numbers, far below n * m * d_v (16x above the bound)."""
     d, m = 32, 64

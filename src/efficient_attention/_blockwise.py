@@ -151,9 +151,15 @@ def causal_prefix_products(
     future = position.unsqueeze(-1) < position  # (C, C), True above the diagonal (j > i)
     # masked_fill rather than tril: CPU tril on many small matrices is very slow.
     scores = torch.bmm(q_c, k_c.transpose(-2, -1)).masked_fill_(future, 0.0)  # (B chunks, C, C)
-    # q_c @ prefix + scores @ v_c, the sum accumulated by the second product itself
-    out = torch.baddbmm(torch.bmm(scores, v_c), q_c,
-                        prefix.view(batch * chunks, m, e))  # (B * chunks, C, e)
+    # scores @ v_c + q_c @ prefix, the sum accumulated by the second product itself (in
+    # place without autograd: no copy of the first product)
+    local = torch.bmm(scores, v_c)  # (B * chunks, C, e)
+    prefix = prefix.view(batch * chunks, m, e)
+    if torch.is_grad_enabled() and (local.requires_grad or q_c.requires_grad
+                                    or prefix.requires_grad):
+        out = torch.baddbmm(local, q_c, prefix)
+    else:
+        out = local.baddbmm_(q_c, prefix)
     return out.reshape(batch, chunks * size, e)[:, :n], final
 
 

@@ -47,6 +47,17 @@ constant, so the causal sums are the plain chunked prefix products of
 identity, so the output does not depend on ``block_size`` or ``chunk_size`` beyond
 rounding.
 
+**Base 2 for keys.** The key log-features (and so the constants ``c``) are in base 2:
+the key map returns ``log2 e * (b - c)`` and key features are ``exp2`` of it, which costs
+about half of ``exp`` on the CPU (``log2 e`` is folded into the key map's product, so
+this costs nothing). The query map receives the constants in these units and converts them
+(``c ln 2``) into its own product; its softmax stays in base e. Bounds such as
+``SAFE_EXPONENT`` are stated in base e below.
+
+**Buffers.** Without autograd, each block's rows, log-features and ``[v, 1]`` are written
+into buffers reused from block to block (``Scratch``): fresh multi-MiB tensors per block
+would each cost page faults on first touch, as much as the arithmetic.
+
 Shapes are flattened to ``(B, n, x)``.
 """
 
@@ -63,17 +74,38 @@ from ._padding import zeros_like_result
 # (log-magnitude (B, b, w) or (B, b, 1), or None for 0; signed part (B, b, m) or None for 1)
 LogFeatures = tuple[torch.Tensor | None, torch.Tensor | None]
 # (rows (B, b, d), constant (B, 1, w) or None) -> log-features; the key map returns
-# ``b - constant``, the query map ``a + constant`` (the constant folded into its product)
-# and either a log part or a signed part, not both.
+# ``log2 e * (b - c)`` (base 2, with ``constant = log2 e * c``), the query map ``a + c`` in
+# base e (``constant * ln 2`` folded into its product), and either a log part or a signed
+# part, not both.
 LogFeatureMap = Callable[[torch.Tensor, torch.Tensor | None], LogFeatures]
 
-SAFE_EXPONENT = 30.0  # the most a key feature may exceed its constant by, in the log domain
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+SAFE_EXPONENT = 30.0  # the most a key feature may exceed its constant by, in base e
+_SAFE_LOG2 = SAFE_EXPONENT * LOG2E  # the same, in the base-2 units of the key logs
 _LARGEST_SUM = math.exp(SAFE_EXPONENT)  # bound on a column sum of key features (a state)
 
 
+class Scratch:
+    """Buffers reused from block to block: ``get(name, shape, like)`` is a contiguous
+    tensor of ``shape`` with the dtype and device of ``like``, whose content the caller
+    overwrites. One per call of :func:`stabilised_attention` (never shared between calls,
+    and never used when autograd records: saved tensors must not change)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < size or flat.dtype != like.dtype:
+            flat = self._flat[name] = like.new_empty(size)
+        return flat[:size].view(shape)
+
+
 def _key_features_(log: torch.Tensor, signed: torch.Tensor | None) -> torch.Tensor:
-    """``signed * exp(log)``; ``log`` must be fresh: it is overwritten (one buffer per block)."""
-    return log.exp_() if signed is None else signed * log.exp_()
+    """``signed * 2^log``; ``log`` must be fresh: it is overwritten (one buffer per block)."""
+    return log.exp2_() if signed is None else signed * log.exp2_()
 
 
 def query_features(log: torch.Tensor | None, signed: torch.Tensor | None) -> torch.Tensor:
@@ -110,22 +142,28 @@ def _rows_with_keys(mask: torch.Tensor | None, batch: int, device) -> torch.Tens
 
 class _BlockValues:
     """``[v, 1]`` ``(B, b, d_v + 1)`` for rows ``[start, stop)``, padded rows zero (made
-    block by block: a few MiB reused, not one fresh buffer as long as ``v``)."""
+    block by block, into one reused buffer when no gradient is recorded)."""
 
-    def __init__(self, v: torch.Tensor, mask: torch.Tensor | None) -> None:
-        self.v, self.mask = v, mask
+    def __init__(self, v: torch.Tensor, mask: torch.Tensor | None,
+                 scratch: Scratch | None) -> None:
+        self.v, self.mask, self.scratch = v, mask, scratch
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        return values_with_ones(self.v[:, start:stop],
-                                None if self.mask is None else self.mask[:, start:stop])
+        v = self.v[:, start:stop]
+        mask = None if self.mask is None else self.mask[:, start:stop]
+        if self.scratch is None:  # autograd records: a fresh tensor per block
+            return values_with_ones(v, mask)
+        out = self.scratch.get("values", (v.shape[0], v.shape[1], v.shape[2] + 1), v)
+        torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1, out=out)
+        return out if mask is None else out.masked_fill_(mask.unsqueeze(-1), 0.0)
 
 
 class _Output:
     """The ``(B, n_q, d_v)`` result, block by block: written in place when no gradient is
     needed, gathered and concatenated for autograd."""
 
-    def __init__(self, shape: tuple[int, int, int]) -> None:
-        self.shape = shape
+    def __init__(self, shape: tuple[int, int, int], scratch: Scratch | None) -> None:
+        self.shape, self.scratch = shape, scratch
         self.pieces: list[torch.Tensor] = []
         self.out: torch.Tensor | None = None
 
@@ -146,7 +184,11 @@ class _Output:
             return
         if self.out is None:
             self.out = q.new_empty(self.shape)
-        torch.bmm(q, values, out=self.out[:, start : start + q.shape[1]])
+        rows = self.out[:, start : start + q.shape[1]]
+        if rows.is_contiguous() or self.scratch is None:
+            torch.bmm(q, values, out=rows)
+        else:  # MKL's batched product needs a contiguous output (else one call per batch row)
+            rows.copy_(torch.bmm(q, values, out=self.scratch.get("output", rows.shape, rows)))
 
     def result(self) -> torch.Tensor:
         return self.out if not self.pieces else torch.cat(self.pieces, dim=1)
@@ -185,13 +227,13 @@ class _Block:
         block = torch.maximum(torch.where(seen, constant, -math.inf), first)
         if refresh and self.state is not None and self.state.shape[-1] == block.shape[-1]:
             mean = self.state[:, -1:].detach() / start  # (B, 1, w)
-            block = torch.maximum(block, torch.where(seen, constant + mean.log(), -math.inf))
+            block = torch.maximum(block, torch.where(seen, constant + mean.log2(), -math.inf))
         self.constant = torch.where(block > -math.inf, block, constant)  # (B, 1, w)
         # a batch row whose first key here is padded and that saw none before has no
         # constant seen by all its queries
         self.unseen = self.has_key & ~seen & (first.amax(dim=-1, keepdim=True) == -math.inf)
         if self.state is not None:  # relative to the block's constant: exp(c_old - c) <= 1
-            self.state = self.state * torch.where(seen, torch.exp(constant - self.constant), 0.0)
+            self.state = self.state * torch.where(seen, torch.exp2(constant - self.constant), 0.0)
         self.seen = seen | self.has_key
 
     def logs(self) -> LogFeatures:
@@ -219,7 +261,7 @@ def _bidirectional_keys(block: _Block, values: _BlockValues):
     rise = torch.where(rise > -math.inf, rise, 0.0)  # no key: nothing to shift
     contribution = torch.bmm(v_t, _key_features_(log.sub_(rise), signed))
     if state is not None:  # (rows with no earlier key have a zero state)
-        state = state * torch.exp(-rise).masked_fill(block.unseen, 0.0) + contribution
+        state = state * torch.exp2(-rise).masked_fill(block.unseen, 0.0) + contribution
     return block.constant + rise, block.seen, contribution if state is None else state
 
 
@@ -239,7 +281,7 @@ def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)
     # log s_l) -- the normaliser D is the softmax's own, so no division pass, and the
     # product with the values has d_v columns, not d_v + 1. Rows with no key give 0.
     sums = torch.where(seen, sums, 1.0)  # (no NaN, not even in a gradient, for those rows)
-    shift = torch.where(seen, constant + sums.log(), 0.0)  # (B, 1, m)
+    shift = torch.where(seen, constant + sums.log2(), 0.0)  # (B, 1, m), base 2
     values_t = torch.where(seen, state[:, :-1] / sums, 0.0).transpose(-2, -1)  # (B, m, d_v)
     for start in range(0, q.shape[1], block_size):
         p = query_features(*query_logs(q[:, start : start + block_size], shift))  # (B, b, m)
@@ -260,7 +302,7 @@ def _causal_rows(q, k, values, query_logs, key_logs, mask, rows, carried, chunk_
     if not (splittable and bool(block.unseen.any())):
         log, signed = block.logs()
         # Signed (trig) features: bounded by their log part, one number per key.
-        if not (retry and signed is not None and _largest(log) > SAFE_EXPONENT):
+        if not (retry and signed is not None and _largest(log) > _SAFE_LOG2):
             phi_k = _key_features_(log, signed)  # (B, b, m)
             phi_q = query_features(*query_logs(q[:, start:stop], block.constant))
             v = values.rows(start, stop)  # (B, b, d_v + 1)
@@ -291,14 +333,17 @@ def stabilised_attention(
     mask: torch.Tensor | None,
     block_size: int,
     chunk_size: int | None,
+    recording: bool,
 ) -> torch.Tensor:
     """``D^-1 phi(Q) (phi(K)^T V)`` for exponential features given by their logs.
 
     q ``(B, n_q, d)``, k ``(B, n_k, d)``, v ``(B, n_k, d_v)`` (compute dtype, padded
     rows already zero), mask ``(B, n_k)`` or None -> ``(B, n_q, d_v)``. The feature maps
-    return ``(log, signed)`` with the feature ``signed * exp(log)``, any constant per
-    query row dropped, and take the per-feature constant to fold into their product
-    (see :data:`LogFeatureMap`). A query with no unmasked key gets zeros.
+    return ``(log, signed)`` with the feature ``signed * 2^log`` (keys) or ``signed *
+    exp(log)`` (queries), any constant per query row dropped, and take the per-feature
+    constant to fold into their product (see :data:`LogFeatureMap`). A query with no
+    unmasked key gets zeros. ``recording``: autograd records the call (the inputs or the
+    maps' parameters require gradients); otherwise blocks reuse buffers.
 
     Cost: the feature products, ``O(n m d)``, one ``exp`` pass over the key features,
     one softmax over the query features, and the products with the values (``O(n m
@@ -310,8 +355,9 @@ def stabilised_attention(
     n_q, n_k, d_v = q.shape[1], k.shape[1], v.shape[2]
     if n_q == 0 or n_k == 0 or q.shape[0] == 0:  # empty, or zeros for queries with no key
         return zeros_like_result((q.shape[0], n_q, d_v), q, k, v)
-    output = _Output((q.shape[0], n_q, d_v))
-    values = _BlockValues(v, mask)  # [v, 1] block by block, padded rows zero
+    scratch = None if recording else Scratch()
+    output = _Output((q.shape[0], n_q, d_v), scratch)
+    values = _BlockValues(v, mask, scratch)  # [v, 1] block by block, padded rows zero
     if not causal:
         _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)
         return output.result()

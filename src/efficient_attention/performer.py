@@ -51,7 +51,7 @@ from ._checks import (
     check_tensor,
     compute_dtype,
 )
-from ._stabilised import stabilised_attention
+from ._stabilised import LN2, LOG2E, Scratch, stabilised_attention
 from .random_features import gaussian_random_matrix
 
 __all__ = ["favor_attention", "FavorAttention"]
@@ -82,37 +82,53 @@ class _LogFeatures:
     ``w`` are the frequencies already multiplied by ``d^-1/4`` (in the compute dtype):
     ``w^T x~ = (d^-1/4 w)^T x``. Hyperbolic features use ``[w; -w]``. Each block's
     log-features, the per-feature constant ``c`` included, are one product with no pass
-    of their own, on rows with extra columns: ``[q, 1] [w, c]^T = q w^T + c`` and
-    ``[k, |k|^2, 1] [w, -d^-1/2 / 2, -c]^T = w^T k~ - |k~|^2 / 2 - c``.
+    of their own, on rows with extra columns: ``[q, 1] [w, c]^T = q w^T + c`` and, in
+    base 2 (``_stabilised`` takes the key logs in base 2, the constants ``c' = log2 e
+    c`` too), ``[k, |k|^2, 1] [log2 e w, -log2 e d^-1/2 / 2, -c']^T = log2 e (w^T k~ -
+    |k~|^2 / 2 - c)``. Without autograd the rows and the products are written into
+    buffers reused from block to block (``_stabilised.Scratch``).
     """
 
-    def __init__(self, w: torch.Tensor, kind: str, scale: float) -> None:
-        self.kind = kind
+    def __init__(self, w: torch.Tensor, kind: str, scale: float, recording: bool) -> None:
+        self.kind, self.recording = kind, recording  # recording: autograd records this call
         w = torch.cat([w, -w]) if kind == "hyperbolic" else w  # (w', d)
         self.w_t = w.transpose(-2, -1).contiguous()  # (d, w')
         zero = torch.zeros_like(self.w_t[:1])
         self.query_weights = torch.cat([self.w_t, zero])  # (d + 1, w'): rows [q, 1]
-        self.key_weights = torch.cat([self.w_t, zero - 0.5 * scale**2, zero])  # (d + 2, w')
-        self.half_scale_sq = 0.5 * scale**2
+        self.key_weights = LOG2E * torch.cat(
+            [self.w_t, zero - 0.5 * scale**2, zero])  # (d + 2, w'): rows [k, |k|^2, 1]
+        self.half_scale_sq_log2 = LOG2E * 0.5 * scale**2
         self._buffers: dict[str, torch.Tensor] = {}
         self._query_cache: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.scratch = None if recording else Scratch()
 
-    def _weights(self, name: str, tracked: bool, constant: torch.Tensor) -> torch.Tensor:
-        """The weights ``(B, e, w')`` of ``name`` with ``constant (B, 1, w')`` as last row.
+    def _weights(self, name: str, last_row: torch.Tensor) -> torch.Tensor:
+        """The weights ``(B, e, w')`` of ``name`` with ``last_row (B, 1, w')`` as last row.
         Without autograd the row is rewritten in a buffer: no new weights per block."""
         base = getattr(self, name)
-        if tracked or base.requires_grad:
-            return torch.cat([base[:-1].expand(constant.shape[0], -1, -1), constant], dim=-2)
+        if self.recording:
+            return torch.cat([base[:-1].expand(last_row.shape[0], -1, -1), last_row], dim=-2)
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape[0] != constant.shape[0]:
-            buffer = self._buffers[name] = base.expand(constant.shape[0], -1, -1).clone()
-        buffer[:, -1:].copy_(constant)
+        if buffer is None or buffer.shape[0] != last_row.shape[0]:
+            buffer = self._buffers[name] = base.expand(last_row.shape[0], -1, -1).clone()
+        buffer[:, -1:].copy_(last_row)
         return buffer
 
-    @staticmethod
-    def _rows(x: torch.Tensor, *columns: torch.Tensor) -> torch.Tensor:
-        """``[x, columns..., 1]`` ``(B, b, e + len(columns) + 1)``."""
-        return torch.cat([x, *columns, x.new_ones(()).expand(*x.shape[:-1], 1)], dim=-1)
+    def _rows(self, name: str | None, x: torch.Tensor, *columns: torch.Tensor):
+        """``[x, columns..., 1]`` ``(B, b, e + len(columns) + 1)`` (in buffer ``name``
+        without autograd)."""
+        parts = [x, *columns, x.new_ones(()).expand(*x.shape[:-1], 1)]
+        if self.scratch is None or name is None:
+            return torch.cat(parts, dim=-1)
+        shape = (*x.shape[:-1], sum(part.shape[-1] for part in parts))
+        return torch.cat(parts, dim=-1, out=self.scratch.get(name, shape, x))
+
+    def _product(self, name: str, rows: torch.Tensor, weights: torch.Tensor):
+        """``rows @ weights`` ``(B, b, w')``, into buffer ``name`` without autograd."""
+        if self.scratch is None:
+            return torch.bmm(rows, weights)
+        shape = (rows.shape[0], rows.shape[1], weights.shape[-1])
+        return torch.bmm(rows, weights, out=self.scratch.get(name, shape, rows))
 
     def queries(self, q: torch.Tensor, constant: torch.Tensor | None):
         """``(log, signed)`` of queries ``(B, b, d)`` up to a row constant, with ``constant
@@ -126,29 +142,29 @@ class _LogFeatures:
             return (None, torch.cat([proj.cos(), proj.sin()], dim=-1)) if (
                 self.kind == "trig") else (proj, None)
         cached, weights = self._query_cache  # bidirectional: one constant for all blocks
-        tracked = torch.is_grad_enabled() and q.requires_grad
-        if constant is not cached or tracked:
-            weights = self._weights("query_weights", tracked, constant)  # (B, d + 1, w')
+        if constant is not cached or self.recording:  # base-2 constant -> base e
+            weights = self._weights("query_weights", LN2 * constant)  # (B, d + 1, w')
             self._query_cache = (constant, weights)
-        return torch.bmm(self._rows(q), weights), None  # (B, b, w')
+        rows = self._rows("query rows", q)  # (B, b, d + 1)
+        return self._product("query logs", rows, weights), None  # (B, b, w')
 
     def keys(self, k: torch.Tensor, constant: torch.Tensor | None):
-        """``(log, signed)`` of keys ``(B, b, d)`` (up to ``1/sqrt(m)``), with ``constant``
-        subtracted. Positive, hyperbolic: ``log = w^T k~ - |k~|^2 / 2 - constant``. Trig:
-        ``log = |k~|^2 / 2 - constant`` (one per key, ``(B, b, 1)``) and ``signed =
-        [cos, sin](w^T k~)``."""
+        """``(log, signed)`` of keys ``(B, b, d)`` (up to ``1/sqrt(m)``) in base 2, with
+        ``constant`` (base 2) subtracted. Positive, hyperbolic: ``log = log2 e (w^T k~ -
+        |k~|^2 / 2) - constant``. Trig: ``log = log2 e |k~|^2 / 2 - constant`` (one per
+        key, ``(B, b, 1)``) and ``signed = [cos, sin](w^T k~)``."""
         k = k.to(self.w_t.dtype)
         square_norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True).square()  # |k|^2
         if self.kind == "trig":
             proj = k @ self.w_t  # (B, b, m)
-            log = self.half_scale_sq * square_norm
+            log = self.half_scale_sq_log2 * square_norm
             signed = torch.cat([proj.cos(), proj.sin()], dim=-1)
             return (log if constant is None else log - constant), signed
-        rows = self._rows(k, square_norm)  # (B, b, d + 2)
-        if constant is None:
-            return rows @ self.key_weights, None
-        tracked = torch.is_grad_enabled() and k.requires_grad
-        return torch.bmm(rows, self._weights("key_weights", tracked, -constant)), None
+        if constant is None:  # (one key row at a time: no buffer)
+            return self._rows(None, k, square_norm) @ self.key_weights, None
+        rows = self._rows("key rows", k, square_norm)  # (B, b, d + 2)
+        weights = self._weights("key_weights", -constant)  # (B, d + 2, w')
+        return self._product("key logs", rows, weights), None
 
 
 def favor_block_size(batch: int, width: int, n: int) -> int:
@@ -233,7 +249,8 @@ def favor_attention(
     batch, (q3, k3, v3, mask2) = flatten_batch(q, k, v, mask)
     width = w.shape[0] * (1 if kind == "positive" else 2)
     size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2])
-    features_of = _LogFeatures(w, kind, scale)
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    features_of = _LogFeatures(w, kind, scale, recording)
     out = stabilised_attention(
         q3,
         k3,
@@ -244,6 +261,7 @@ def favor_attention(
         mask=mask2,
         block_size=size,
         chunk_size=chunk_size,
+        recording=recording,
     )
     return out.reshape(*batch, q.shape[-2], v.shape[-1]).to(q.dtype)
 
