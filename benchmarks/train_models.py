@@ -73,6 +73,8 @@ OPTIONS = {  # attention options, spelled out (they are also make_attention's de
 TRAIN = {"batch_size": 32, "lr": 3e-3, "seed": 0}
 EVAL = {"batch_size": 256, "seed": 1}
 TIMING_REPEATS = 7  # extra timed steps per model; their minimum resists other load
+# --quick: a smoke test of the whole pipeline (every task, mode and kind), seconds per run
+QUICK = {"steps": 3, "timing_repeats": 2, "evaluation": {"batch_size": 32, "seed": 1}}
 
 
 def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:
@@ -99,8 +101,10 @@ def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:
     return 1000 * best
 
 
-def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: bool) -> dict:
-    """Train one model; return its evaluation, curves and timings."""
+def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: bool,
+              quick: bool = False) -> dict:
+    """Train one model; return its evaluation, curves and timings (``quick``: the smoke
+    test's evaluation and timing, see ``QUICK``)."""
     task = TASKS[task_name]["make"]()
     torch.manual_seed(TRAIN["seed"])
     model = ea.TinyTransformer(
@@ -122,8 +126,8 @@ def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: boo
         progress=progress,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    evaluation = ea.evaluate_model(model, task, **EVAL)
-    step_ms = fastest_step_ms(model, task, TIMING_REPEATS)
+    evaluation = ea.evaluate_model(model, task, **(QUICK["evaluation"] if quick else EVAL))
+    step_ms = fastest_step_ms(model, task, QUICK["timing_repeats"] if quick else TIMING_REPEATS)
     return {
         "status": "trained",
         "eval_accuracy": evaluation["accuracy"],
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     runs: dict[str, dict[str, dict[str, dict]]] = {}
     for task_name, spec in TASKS.items():
-        steps = 10 if args.quick else spec["steps"]
+        steps = QUICK["steps"] if args.quick else spec["steps"]
         runs[task_name] = {}
         for mode, causal in MODES.items():
             runs[task_name][mode] = {}
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 if progress:
                     print(f"{task_name} / {mode} / {kind}", flush=True)
-                run = train_one(task_name, kind, causal, steps, progress)
+                run = train_one(task_name, kind, causal, steps, progress, args.quick)
                 runs[task_name][mode][kind] = run
                 print(f"  {task_name:18s} {mode:7s} {kind:9s} accuracy {run['eval_accuracy']:.3f}"
                       f"  {run['train_wall_s']:.0f} s", flush=True)
@@ -236,13 +240,14 @@ def main(argv: list[str] | None = None) -> dict:
                        "quick": args.quick},
         "config": {
             "attention_kinds": list(KINDS),
-            "tasks": {name: {"spec": t["spec"], "steps": 10 if args.quick else t["steps"]}
+            "tasks": {name: {"spec": t["spec"],
+                             "steps": QUICK["steps"] if args.quick else t["steps"]}
                       for name, t in TASKS.items()},
             "modes": MODES,
             "model": MODEL,
             "attention_options": OPTIONS,
             "training": TRAIN,
-            "evaluation": EVAL,
+            "evaluation": QUICK["evaluation"] if args.quick else EVAL,
         },
         "runs": runs,
     }
