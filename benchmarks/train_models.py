@@ -73,7 +73,9 @@ OPTIONS = {  # attention options, spelled out (they are also make_attention's de
 TRAIN = {"batch_size": 32, "lr": 3e-3, "seed": 0}
 EVAL = {"batch_size": 256, "seed": 1}
 TIMING_REPEATS = 7  # extra timed steps per model; their minimum resists other load
-# --quick: a smoke test of the whole pipeline (every task, mode and kind), seconds per run
+# What each run measures after training; --quick: a smoke test of the whole pipeline (every
+# task, mode and kind, 3 steps each), seconds per run
+FULL = {"timing_repeats": TIMING_REPEATS, "evaluation": EVAL}
 QUICK = {"steps": 3, "timing_repeats": 2, "evaluation": {"batch_size": 32, "seed": 1}}
 
 
@@ -102,9 +104,9 @@ def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:
 
 
 def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: bool,
-              quick: bool = False) -> dict:
-    """Train one model; return its evaluation, curves and timings (``quick``: the smoke
-    test's evaluation and timing, see ``QUICK``)."""
+              plan: dict = FULL) -> dict:
+    """Train one model; return its evaluation, curves and timings (``plan``: ``FULL`` or
+    ``QUICK``)."""
     task = TASKS[task_name]["make"]()
     torch.manual_seed(TRAIN["seed"])
     model = ea.TinyTransformer(
@@ -126,8 +128,8 @@ def train_one(task_name: str, kind: str, causal: bool, steps: int, progress: boo
         progress=progress,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    evaluation = ea.evaluate_model(model, task, **(QUICK["evaluation"] if quick else EVAL))
-    step_ms = fastest_step_ms(model, task, QUICK["timing_repeats"] if quick else TIMING_REPEATS)
+    evaluation = ea.evaluate_model(model, task, **plan["evaluation"])
+    step_ms = fastest_step_ms(model, task, plan["timing_repeats"])
     return {
         "status": "trained",
         "eval_accuracy": evaluation["accuracy"],
@@ -218,9 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     progress = not args.no_progress
     conditions = run_conditions()
     start = time.perf_counter()
+    plan = QUICK if args.quick else FULL
     runs: dict[str, dict[str, dict[str, dict]]] = {}
     for task_name, spec in TASKS.items():
-        steps = QUICK["steps"] if args.quick else spec["steps"]
+        steps = plan.get("steps", spec["steps"])
         runs[task_name] = {}
         for mode, causal in MODES.items():
             runs[task_name][mode] = {}
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 if progress:
                     print(f"{task_name} / {mode} / {kind}", flush=True)
-                run = train_one(task_name, kind, causal, steps, progress, args.quick)
+                run = train_one(task_name, kind, causal, steps, progress, plan)
                 runs[task_name][mode][kind] = run
                 print(f"  {task_name:18s} {mode:7s} {kind:9s} accuracy {run['eval_accuracy']:.3f}"
                       f"  {run['train_wall_s']:.0f} s", flush=True)
@@ -240,14 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
                        "quick": args.quick},
         "config": {
             "attention_kinds": list(KINDS),
-            "tasks": {name: {"spec": t["spec"],
-                             "steps": QUICK["steps"] if args.quick else t["steps"]}
+            "tasks": {name: {"spec": t["spec"], "steps": plan.get("steps", t["steps"])}
                       for name, t in TASKS.items()},
             "modes": MODES,
             "model": MODEL,
             "attention_options": OPTIONS,
             "training": TRAIN,
-            "evaluation": QUICK["evaluation"] if args.quick else EVAL,
+            "evaluation": plan["evaluation"],
         },
         "runs": runs,
     }

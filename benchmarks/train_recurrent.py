@@ -56,8 +56,11 @@ SEEDS = (0, 1, 2)
 EVAL = {"batch_size": 2048, "seed": 12345}  # held out: the training batches use seeds 0, 1, 2
 CURVE_WINDOW = 10  # steps per point of the stored training curves
 TIMING_REPEATS = 5
-# --quick: a smoke test (every kind, two seeds), seconds per run
-QUICK = {"steps": 5, "timing_repeats": 2, "evaluation": {"batch_size": 256, "seed": 12345}}
+# What a run trains and measures; --quick: a smoke test (every kind, two seeds), seconds per run
+FULL = {"steps": TRAIN["steps"], "seeds": SEEDS, "timing_repeats": TIMING_REPEATS,
+        "evaluation": EVAL}
+QUICK = {"steps": 5, "seeds": SEEDS[:2], "timing_repeats": 2,
+         "evaluation": {"batch_size": 256, "seed": 12345}}
 
 
 def make_task() -> ea.AssociativeRecall:
@@ -94,25 +97,24 @@ def window_means(values: list[float], window: int) -> list[float]:
             for i in range(0, len(values), window)]
 
 
-def train_one(kind: str, seed: int, steps: int, progress: bool, quick: bool = False) -> dict:
+def train_one(kind: str, seed: int, progress: bool, plan: dict = FULL) -> dict:
     """Train one model from ``seed``; return its held-out evaluation, curves and timings
-    (``quick``: the smoke test's evaluation and timing, see ``QUICK``)."""
+    (``plan``: ``FULL`` or ``QUICK``)."""
     task = make_task()
     torch.manual_seed(seed)
     model = ea.TinyTransformer(task.vocab_size, max_len=task.seq_len, attention=kind, **MODEL)
     wall, cpu = time.perf_counter(), time.process_time()
-    history = ea.train_model(model, task, steps, batch_size=TRAIN["batch_size"],
+    history = ea.train_model(model, task, plan["steps"], batch_size=TRAIN["batch_size"],
                              lr=TRAIN["lr"], seed=seed, progress=progress)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    evaluation = ea.evaluate_model(model, task, **(QUICK["evaluation"] if quick else EVAL))
+    evaluation = ea.evaluate_model(model, task, **plan["evaluation"])
     return {
         "seed": seed,
         "eval_accuracy": evaluation["accuracy"],
         "eval_loss": evaluation["loss"],
         "train_wall_s": wall,
         "train_cpu_s": cpu,
-        "fastest_step_ms": fastest_step_ms(model, task,
-                                           QUICK["timing_repeats"] if quick else TIMING_REPEATS),
+        "fastest_step_ms": fastest_step_ms(model, task, plan["timing_repeats"]),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "accuracy_curve": window_means(history["accuracy"], CURVE_WINDOW),
         "loss_curve": window_means(history["loss"], CURVE_WINDOW),
@@ -188,16 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
     out = output_folder(args.quick, args.out)
     torch.set_num_threads(2)
     progress = not args.no_progress
-    steps = QUICK["steps"] if args.quick else TRAIN["steps"]
-    seeds = SEEDS[:2] if args.quick else SEEDS
+    plan = QUICK if args.quick else FULL
     conditions = run_conditions()
     start = time.perf_counter()
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
-    for seed in seeds:  # seed by seed, so that a disturbance of the machine hits every kind
+    for seed in plan["seeds"]:  # seed by seed, so that a disturbance of the machine hits every kind
         for kind in KINDS:
             if progress:
                 print(f"{kind} / seed {seed}", flush=True)
-            run = train_one(kind, seed, steps, progress, args.quick)
+            run = train_one(kind, seed, progress, plan)
             runs[kind].append(run)
             print(f"  {kind:8s} seed {seed}: held-out accuracy {run['eval_accuracy']:.3f}  "
                   f"{run['train_wall_s']:.0f} s", flush=True)
@@ -210,9 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
             "task": TASK,
             "task_spec": repr(make_task()),
             "model": MODEL,
-            "training": {**TRAIN, "steps": steps, "optimizer": "AdamW (ea.train_model)"},
-            "seeds": list(seeds),
-            "evaluation": QUICK["evaluation"] if args.quick else EVAL,
+            "training": {**TRAIN, "steps": plan["steps"], "optimizer": "AdamW (ea.train_model)"},
+            "seeds": list(plan["seeds"]),
+            "evaluation": plan["evaluation"],
             "curve_window": CURVE_WINDOW,
         },
         "runs": runs,

@@ -193,20 +193,6 @@ class PageVisit:
         self.context.close()
 
 
-@pytest.fixture
-def visit(browser, site_url, request):
-    visits = []
-
-    def open_page(path: str) -> PageVisit:
-        page_visit = PageVisit(browser, urljoin(site_url, path))
-        visits.append(page_visit)
-        return page_visit
-
-    yield open_page
-    for page_visit in visits:
-        page_visit.close()
-
-
 @pytest.fixture(scope="module")
 def loaded(browser, site_url):
     """``load(path)``: the page, loaded once for the whole module. The per-page tests share it
@@ -285,10 +271,10 @@ def test_notebook_pages_exist_in_toc():
     assert any(_is_notebook(entry) for entry in PAGES[1:]), PAGES
 
 
-def test_assignments_page_links_student_notebooks(visit, site_url):
+def test_assignments_page_links_student_notebooks(loaded, site_url):
     """The Assignments page links a downloadable student version of every assignment."""
     path = "book/assignments.html"
-    v = visit(path)
+    v = loaded(path)
     links = v.page.locator("a[href$='.ipynb']")
     hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
     sources = sorted(p.parent.name for p in (ROOT / "assignments" / "source").glob("*/*.ipynb"))

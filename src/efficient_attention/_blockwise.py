@@ -83,14 +83,19 @@ def flatten_batch(
     return tuple(batch), flat
 
 
-def values_with_ones(v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def values_with_ones(v: torch.Tensor, mask: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``[v, 1]`` ``(..., n_k, d_v + 1)`` with padded rows zero.
 
     The column of ones carries the normaliser: ``phi(Q) (phi(K)^T [V, 1])`` holds the
-    numerators and, in its last column, the denominators ``D``.
+    numerators and, in its last column, the denominators ``D``. ``out`` (no autograd): a
+    buffer of that shape to write it into.
     """
     ones = v.new_ones(()).expand(*v.shape[:-1], 1)  # no buffer of its own
-    return zero_padded_rows(torch.cat([v, ones], dim=-1), mask)
+    if out is None:
+        return zero_padded_rows(torch.cat([v, ones], dim=-1), mask)
+    torch.cat([v, ones], dim=-1, out=out)
+    return out if mask is None else out.masked_fill_(mask.unsqueeze(-1), 0.0)
 
 
 def divide(

@@ -154,8 +154,7 @@ class _BlockValues:
         if self.scratch is None:  # autograd records: a fresh tensor per block
             return values_with_ones(v, mask)
         out = self.scratch.get("values", (v.shape[0], v.shape[1], v.shape[2] + 1), v)
-        torch.cat([v, v.new_ones(()).expand(*v.shape[:-1], 1)], dim=-1, out=out)
-        return out if mask is None else out.masked_fill_(mask.unsqueeze(-1), 0.0)
+        return values_with_ones(v, mask, out=out)
 
 
 class _Output:
