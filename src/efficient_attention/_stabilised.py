@@ -55,8 +55,11 @@ this costs nothing). The query map receives the constants in these units and con
 ``SAFE_EXPONENT`` are stated in base e below.
 
 **Buffers.** Without autograd, each block's rows, log-features and ``[v, 1]`` are written
-into buffers reused from block to block (``Scratch``): fresh multi-MiB tensors per block
-would each cost page faults on first touch, as much as the arithmetic.
+into buffers reused from block to block (``Scratch``), on the CPU kept from call to call
+(per thread, at most ``WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page
+faults on first touch, as much as the arithmetic. The queries are taken in blocks that
+are contiguous pieces of the output (whole batch rows, or rows of one batch row), so that
+their product with the values writes the result in place.
 
 Shapes are flattened to ``(B, n, x)``.
 """
@@ -64,6 +67,7 @@ Shapes are flattened to ``(B, n, x)``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -86,21 +90,54 @@ _SAFE_LOG2 = SAFE_EXPONENT * LOG2E  # the same, in the base-2 units of the key l
 _LARGEST_SUM = math.exp(SAFE_EXPONENT)  # bound on a column sum of key features (a state)
 
 
+WORKSPACE_BYTES = 64 * 2**20  # CPU buffers kept between calls, per thread
+_WORKSPACE = threading.local()  # .buffers: {(name, dtype): flat tensor}
+
+
 class Scratch:
     """Buffers reused from block to block: ``get(name, shape, like)`` is a contiguous
     tensor of ``shape`` with the dtype and device of ``like``, whose content the caller
-    overwrites. One per call of :func:`stabilised_attention` (never shared between calls,
-    and never used when autograd records: saved tensors must not change)."""
+    overwrites until its next ``get`` of the same name. Never used when autograd records
+    (saved tensors must not change), and nothing of it is returned to the caller.
+
+    CPU buffers are also kept from call to call, per thread, up to ``WORKSPACE_BYTES``
+    in all (:func:`release_workspace` frees them): a fresh multi-MiB tensor costs a page
+    fault per 4 KiB on first touch, and memory freed at the end of a call is often given
+    back to the system, so that every call paid them again. Other devices have caching
+    allocators: their buffers live for one call.
+    """
 
     def __init__(self) -> None:
-        self._flat: dict[str, torch.Tensor] = {}
+        self._call: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         size = math.prod(shape)
-        flat = self._flat.get(name)
-        if flat is None or flat.numel() < size or flat.dtype != like.dtype:
-            flat = self._flat[name] = like.new_empty(size)
-        return flat[:size].view(shape)
+        key = (name, like.dtype, like.device)
+        kept = _kept_buffers() if like.device.type == "cpu" else {}
+        for store in (kept, self._call):
+            flat = store.get(key)
+            if flat is not None and flat.numel() >= size:
+                return flat[:size].view(shape)
+        kept.pop(key, None)  # too small: replaced
+        flat = like.new_empty(size)
+        used = sum(t.numel() * t.element_size() for t in kept.values())
+        if like.device.type == "cpu" and used + size * flat.element_size() <= WORKSPACE_BYTES:
+            kept[key] = flat
+        else:
+            self._call[key] = flat
+        return flat.view(shape)
+
+
+def _kept_buffers() -> dict[tuple, torch.Tensor]:
+    if not hasattr(_WORKSPACE, "buffers"):
+        _WORKSPACE.buffers = {}
+    return _WORKSPACE.buffers
+
+
+def release_workspace() -> None:
+    """Free the CPU buffers FAVOR+ keeps between calls in this thread (at most
+    ``WORKSPACE_BYTES``; the next call makes them again)."""
+    _kept_buffers().clear()
 
 
 def _key_features_(log: torch.Tensor, signed: torch.Tensor | None) -> torch.Tensor:
@@ -161,8 +198,8 @@ class _Output:
     """The ``(B, n_q, d_v)`` result, block by block: written in place when no gradient is
     needed, gathered and concatenated for autograd."""
 
-    def __init__(self, shape: tuple[int, int, int], scratch: Scratch | None) -> None:
-        self.shape, self.scratch = shape, scratch
+    def __init__(self, shape: tuple[int, int, int], recording: bool) -> None:
+        self.shape, self.recording = shape, recording
         self.pieces: list[torch.Tensor] = []
         self.out: torch.Tensor | None = None
 
@@ -176,18 +213,16 @@ class _Output:
         divide(both[..., :-1], both[..., -1:], 0.0,
                out=self.out[:, start : start + both.shape[1]])
 
-    def put(self, start: int, q: torch.Tensor, values: torch.Tensor) -> None:
-        """Rows ``start:start + b``: ``q (B, b, m) @ values (B, m, d_v)``, already normalised."""
+    def put(self, heads: slice, rows: slice, q: torch.Tensor, values: torch.Tensor) -> None:
+        """Output ``[heads, rows]`` (all heads when a gradient is recorded, else a
+        contiguous piece, see :func:`_query_blocks`): ``q (B', b, m) @ values (B', m,
+        d_v)``, already normalised."""
         if q.requires_grad or values.requires_grad:
             self.pieces.append(torch.bmm(q, values))
             return
         if self.out is None:
             self.out = q.new_empty(self.shape)
-        rows = self.out[:, start : start + q.shape[1]]
-        if rows.is_contiguous() or self.scratch is None:
-            torch.bmm(q, values, out=rows)
-        else:  # MKL's batched product needs a contiguous output (else one call per batch row)
-            rows.copy_(torch.bmm(q, values, out=self.scratch.get("output", rows.shape, rows)))
+        torch.bmm(q, values, out=self.out[heads, rows])
 
     def result(self) -> torch.Tensor:
         return self.out if not self.pieces else torch.cat(self.pieces, dim=1)
@@ -264,6 +299,26 @@ def _bidirectional_keys(block: _Block, values: _BlockValues):
     return block.constant + rise, block.seen, contribution if state is None else state
 
 
+def _query_blocks(batch: int, n: int, block_size: int, all_heads: bool):
+    """``(heads, rows)`` slices of the queries, about ``batch * block_size`` of them each.
+
+    ``all_heads`` (autograd records): every batch row, ``block_size`` rows at a time,
+    gathered in order by ``_Output``. Otherwise each block is a contiguous piece of the
+    ``(B, n_q, d_v)`` output: whole batch rows when one fits, else rows of one batch row.
+    (A slice of rows across batch rows is not contiguous: its product would need a
+    copy, or, written in place, one product per batch row.)
+    """
+    if all_heads:
+        return [(slice(None), slice(start, start + block_size))
+                for start in range(0, n, block_size)]
+    numbers = batch * block_size  # query rows per block
+    if n <= numbers:
+        per = max(1, numbers // max(n, 1))
+        return [(slice(h, h + per), slice(None)) for h in range(0, batch, per)]
+    return [(slice(h, h + 1), slice(start, start + numbers))
+            for h in range(batch) for start in range(0, n, numbers)]
+
+
 def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output):
     carried = (None, None, None)  # constant (B, 1, w), seen (B, 1, 1), state (B, d_v + 1, m)
     for start in range(0, k.shape[1], block_size):
@@ -282,9 +337,9 @@ def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)
     sums = torch.where(seen, sums, 1.0)  # (no NaN, not even in a gradient, for those rows)
     shift = torch.where(seen, constant + sums.log2(), 0.0)  # (B, 1, m), base 2
     values_t = torch.where(seen, state[:, :-1] / sums, 0.0).transpose(-2, -1)  # (B, m, d_v)
-    for start in range(0, q.shape[1], block_size):
-        p = query_features(*query_logs(q[:, start : start + block_size], shift))  # (B, b, m)
-        output.put(start, p, values_t)
+    for heads, rows in _query_blocks(q.shape[0], q.shape[1], block_size, output.recording):
+        p = query_features(*query_logs(q[heads, rows], shift[heads]))  # (B', b, m)
+        output.put(heads, rows, p, values_t[heads])
 
 
 def _causal_rows(q, k, values, query_logs, key_logs, mask, rows, carried, chunk_size, output,
@@ -355,7 +410,7 @@ def stabilised_attention(
     if n_q == 0 or n_k == 0 or q.shape[0] == 0:  # empty, or zeros for queries with no key
         return zeros_like_result((q.shape[0], n_q, d_v), q, k, v)
     scratch = None if recording else Scratch()
-    output = _Output((q.shape[0], n_q, d_v), scratch)
+    output = _Output((q.shape[0], n_q, d_v), recording)
     values = _BlockValues(v, mask, scratch)  # [v, 1] block by block, padded rows zero
     if not causal:
         _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)

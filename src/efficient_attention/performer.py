@@ -167,21 +167,25 @@ class _LogFeatures:
         return self._product("key logs", rows, weights), None
 
 
-def favor_block_size(batch: int, width: int, n: int) -> int:
+def favor_block_size(batch: int, width: int, n: int, causal: bool = False) -> int:
     """Default rows per block of :func:`favor_attention`: about ``2^20`` numbers (4 MiB
-    in float32) per intra-op thread (``torch.get_num_threads()``).
+    in float32) per intra-op thread (``torch.get_num_threads()``), half that when causal.
 
     Each block costs about ten parallel operations (products, ``exp``, softmax,
     copies). When idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) each of them
     first wakes a thread, about 0.1 ms on a two-core virtual machine, so fewer blocks
     pay; with the work split between the threads, each still handles a few MiB that
-    stay in cache. Measured with ``benchmarks/attention_speed.py``'s setting (``n =
-    8192``, 8 heads, ``m = 256``, 2 threads): 1024-row blocks were clearly faster than
-    512-row ones with sleeping threads and as fast with spinning ones; 2048-row blocks
-    were slower with spinning threads.
+    stay in cache. Causal blocks also hold their chunk states and prefixes (``b m (d_v
+    + 1) / C`` numbers each, as many as the features), so they get half the rows.
+    Measured with ``benchmarks/attention_speed.py``'s setting (``n = 8192``, 8 heads,
+    ``m = 256``, 2 threads): bidirectional, 1024-row blocks were clearly faster than
+    512-row ones with sleeping threads and as fast with spinning ones, and 2048-row
+    blocks slower with spinning threads; causal, 512-row blocks were 10-15 % faster
+    than 1024-row ones with spinning threads and as fast with sleeping ones.
     """
     threads = max(1, torch.get_num_threads())
-    return default_block_size(batch, width, n, numbers=2**20 * threads)
+    numbers = 2**20 * threads // (2 if causal else 1)
+    return default_block_size(batch, width, n, numbers=numbers)
 
 
 def favor_attention(
@@ -232,8 +236,10 @@ def favor_attention(
         ``(..., n_q, d_v)`` in the dtype of ``q``; half inputs are computed in float32.
 
     Cost: time ``O(n m (d + d_v))`` (+ ``O(n C (m + d_v))`` causal). Memory without
-    autograd: the output plus one block of features, ``O(n d_v + b m)``; with autograd
-    the features ``O(n m)`` and, when causal, one ``m x d_v`` state per chunk.
+    autograd: the output plus one block of features, ``O(n d_v + b m)`` (on the CPU the
+    block buffers, at most 64 MiB per thread, are kept for the next call:
+    ``_stabilised.release_workspace`` frees them); with autograd the features ``O(n m)``
+    and, when causal, one ``m x d_v`` state per chunk.
     """
     q, k, v = check_qkv(q, k, v)
     causal = check_bool(causal, "causal")
@@ -248,7 +254,7 @@ def favor_attention(
     w = w.to(dtype) * scale  # (m, d): (d^-1/4 x) w^T = x (d^-1/4 w)^T, no copy of q or k
     batch, (q3, k3, v3, mask2) = flatten_batch(q, k, v, mask)
     width = w.shape[0] * (1 if kind == "positive" else 2)
-    size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2])
+    size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2], causal)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
     features_of = _LogFeatures(w, kind, scale, recording)
     out = stabilised_attention(
