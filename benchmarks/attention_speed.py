@@ -26,7 +26,8 @@ ratio against SDPA would then compare with PyTorch's unfused fallback (what a 3-
 gets), not with what users run.
 
 Time: median over several calls after one warm-up call, every (workload, method) of one n
-taking turns (round robin), so that ratios compare calls made under the same load.
+taking turns (round robin), so that ratios compare calls made under the same load: a ratio
+is the median over rounds of the ratio of the two calls of one round.
 Memory: for each n a fresh subprocess warms every method up on a tiny input, allocates
 the inputs, and then for each workload and method in turn releases freed memory to the
 OS, resets the kernel's peak-RSS mark, runs it once and reads the peak resident set size
@@ -370,6 +371,7 @@ def measure_memory(n: int, pairs: list[tuple[str, str]]) -> dict:
 # --- time -----------------------------------------------------------------------------------
 
 POLICY_METHODS = ["FAVOR+", "FAVOR+ causal", FLOOR]
+PROBE_ROUNDS = 25  # rounds of the wait-policy probes (a round costs about 0.3 s at n = 8192)
 WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 POLICY_RATIOS = ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")  # reported for each policy
 
@@ -450,12 +452,20 @@ RATIO_PAIRS = {  # label: (numerator, denominator)
 }
 
 
-def ratios(row: dict) -> dict:
-    """Ratios of median times of one workload at one n (only where both were timed)."""
-    def t(name):
-        return row.get(name, {}).get("median_s")
+def ratio(a: dict, b: dict) -> float:
+    """Time of ``a`` over time of ``b``: the median of the ratios of the calls made in the
+    same round (taking turns, so each pair ran under the same load, side by side) when
+    both were timed in every round, else the ratio of the medians."""
+    if len(a["times_s"]) == len(b["times_s"]) > 1:
+        return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"], strict=True))
+    return a["median_s"] / b["median_s"]
 
-    return {label: t(a) / t(b) for label, (a, b) in RATIO_PAIRS.items() if t(a) and t(b)}
+
+def ratios(row: dict) -> dict:
+    """The ratios of ``RATIO_PAIRS`` of one workload at one n (where both were timed)."""
+    timed = {name: entry for name, entry in row.items() if "median_s" in entry}
+    return {label: ratio(timed[a], timed[b]) for label, (a, b) in RATIO_PAIRS.items()
+            if a in timed and b in timed}
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -515,7 +525,8 @@ def markdown(report: dict) -> str:
     for mode in MODES:
         labels = [label for label in RATIO_PAIRS
                   if any(label in row[mode]["ratios"] for row in report["results"].values())]
-        lines += [f"## Ratios of median times, {TITLES[mode]} (same run, taking turns)", "",
+        lines += [f"## Ratios of times, {TITLES[mode]} (median over rounds, calls taking turns)",
+                  "",
                   "| n | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
         for n, row in report["results"].items():
             cells = [f"{row[mode]['ratios'][label]:.3f}" if label in row[mode]["ratios"]
@@ -684,6 +695,9 @@ def main() -> None:
             f"time: median of {repeats} calls after a warm-up (3 for calls slower than 2 s; "
             "for calls slower than 10 s, the warm-up and one more call); every workload and "
             "method of one n taking turns",
+            "ratios: median over rounds of the ratio of the two calls made in the same round "
+            "(the ratio of the medians where the two were not timed in the same rounds); "
+            f"the wait-policy probes at n = {TARGET_N}: {PROBE_ROUNDS} rounds each",
             "forward: one call under torch.inference_mode(); train: forward and backward of "
             "a fixed random output gradient, inputs q, k, v with requires_grad",
             "memory: peak RSS (VmHWM) of a fresh process during one call minus its RSS before",
@@ -715,7 +729,7 @@ def main() -> None:
     if str(TARGET_N) in report["results"]:
         print(f"n = {TARGET_N}: FAVOR+ and the floor under each OpenMP wait policy ...",
               flush=True)
-        report["wait_policies"] = compare_wait_policies(TARGET_N, repeats)
+        report["wait_policies"] = compare_wait_policies(TARGET_N, PROBE_ROUNDS)
         for policy, entry in report["wait_policies"].items():
             for label in POLICY_RATIOS:
                 value = entry.get("ratios", {}).get(label)

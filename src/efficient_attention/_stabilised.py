@@ -215,14 +215,14 @@ class _Output:
 
     def put(self, heads: slice, rows: slice, q: torch.Tensor, values: torch.Tensor) -> None:
         """Output ``[heads, rows]`` (all heads when a gradient is recorded, else a
-        contiguous piece, see :func:`_query_blocks`): ``q (B', b, m) @ values (B', m,
-        d_v)``, already normalised."""
+        contiguous piece, see :func:`_query_blocks`): ``q (P, b, m) @ values (P, m,
+        d_v)``, already normalised (``P`` batch rows, or pieces of one batch row)."""
         if q.requires_grad or values.requires_grad:
             self.pieces.append(torch.bmm(q, values))
             return
         if self.out is None:
             self.out = q.new_empty(self.shape)
-        torch.bmm(q, values, out=self.out[heads, rows])
+        torch.bmm(q, values, out=self.out[heads, rows].view(q.shape[0], q.shape[1], -1))
 
     def result(self) -> torch.Tensor:
         return self.out if not self.pieces else torch.cat(self.pieces, dim=1)
@@ -300,23 +300,32 @@ def _bidirectional_keys(block: _Block, values: _BlockValues):
 
 
 def _query_blocks(batch: int, n: int, block_size: int, all_heads: bool):
-    """``(heads, rows)`` slices of the queries, about ``batch * block_size`` of them each.
+    """``(heads, rows, pieces)``: slices of the queries, and into how many equal pieces
+    of rows (a batch for the products) the block is cut.
 
     ``all_heads`` (autograd records): every batch row, ``block_size`` rows at a time,
     gathered in order by ``_Output``. Otherwise each block is a contiguous piece of the
-    ``(B, n_q, d_v)`` output: whole batch rows when one fits, else rows of one batch row.
-    (A slice of rows across batch rows is not contiguous: its product would need a
-    copy, or, written in place, one product per batch row.)
+    ``(B, n_q, d_v)`` output of about ``batch * block_size`` rows, written in place:
+    whole batch rows when one fits, else ``block_size``-row pieces of one batch row
+    taken as a batch. (A slice of rows across batch rows is not contiguous: its product
+    would need a copy, or, written in place, one product per batch row; and one large
+    2-D product costs two parallel regions where a batched one costs one, each a
+    thread wake-up when idle OpenMP threads sleep.)
     """
     if all_heads:
-        return [(slice(None), slice(start, start + block_size))
+        return [(slice(None), slice(start, start + block_size), 1)
                 for start in range(0, n, block_size)]
     numbers = batch * block_size  # query rows per block
     if n <= numbers:
         per = max(1, numbers // max(n, 1))
-        return [(slice(h, h + per), slice(None)) for h in range(0, batch, per)]
-    return [(slice(h, h + 1), slice(start, start + numbers))
-            for h in range(batch) for start in range(0, n, numbers)]
+        return [(slice(h, h + per), slice(None), 1) for h in range(0, batch, per)]
+    blocks = []
+    for h in range(batch):
+        for start in range(0, n, numbers):
+            rows = min(numbers, n - start)
+            pieces = rows // block_size if rows % block_size == 0 else 1
+            blocks.append((slice(h, h + 1), slice(start, start + rows), pieces))
+    return blocks
 
 
 def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output):
@@ -337,9 +346,12 @@ def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)
     sums = torch.where(seen, sums, 1.0)  # (no NaN, not even in a gradient, for those rows)
     shift = torch.where(seen, constant + sums.log2(), 0.0)  # (B, 1, m), base 2
     values_t = torch.where(seen, state[:, :-1] / sums, 0.0).transpose(-2, -1)  # (B, m, d_v)
-    for heads, rows in _query_blocks(q.shape[0], q.shape[1], block_size, output.recording):
-        p = query_features(*query_logs(q[heads, rows], shift[heads]))  # (B', b, m)
-        output.put(heads, rows, p, values_t[heads])
+    for heads, rows, pieces in _query_blocks(q.shape[0], q.shape[1], block_size,
+                                             output.recording):
+        block = q[heads, rows]  # (B', b, e), or one batch row cut into pieces:
+        block = block.reshape(pieces, -1, block.shape[-1]) if pieces > 1 else block
+        p = query_features(*query_logs(block, shift[heads].expand(block.shape[0], -1, -1)))
+        output.put(heads, rows, p, values_t[heads].expand(block.shape[0], -1, -1))
 
 
 def _causal_rows(q, k, values, query_logs, key_logs, mask, rows, carried, chunk_size, output,
