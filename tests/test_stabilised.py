@@ -76,6 +76,23 @@ def test_buffers_over_the_limit_live_for_one_call(monkeypatch, causal):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_workspace_made_in_inference_mode_serves_later_calls_outside_it():
+    """Buffers kept by a call under torch.inference_mode are written by later calls under
+    no_grad and with autograd enabled (an inference tensor could not be)."""
+    _stabilised.release_workspace()
+    q, k, v, w = inputs(6)
+    with torch.inference_mode():
+        first = ea.favor_attention(q, k, v, w, block_size=16)
+    assert kept()
+    with torch.no_grad():
+        second = ea.favor_attention(q, k, v, w, block_size=16)
+    third = ea.favor_attention(q, k, v, w, block_size=16)
+    with torch.inference_mode():
+        fourth = ea.favor_attention(q, k, v, w, block_size=16)
+    for result in (second, third, fourth):
+        torch.testing.assert_close(result, first, rtol=0, atol=0)
+
+
 def test_autograd_keeps_no_workspace():
     _stabilised.release_workspace()
     q, k, v, w = inputs(3)

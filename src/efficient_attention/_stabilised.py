@@ -91,7 +91,7 @@ _LARGEST_SUM = math.exp(SAFE_EXPONENT)  # bound on a column sum of key features 
 
 
 WORKSPACE_BYTES = 64 * 2**20  # CPU buffers kept between calls, per thread
-_WORKSPACE = threading.local()  # .buffers: {(name, dtype): flat tensor}
+_WORKSPACE = threading.local()  # .buffers: {(name, dtype, device): flat tensor}
 
 
 class Scratch:
@@ -119,12 +119,14 @@ class Scratch:
             if flat is not None and flat.numel() >= size:
                 return flat[:size].view(shape)
         kept.pop(key, None)  # too small: replaced
-        flat = like.new_empty(size)
         used = sum(t.numel() * t.element_size() for t in kept.values())
-        if like.device.type == "cpu" and used + size * flat.element_size() <= WORKSPACE_BYTES:
-            kept[key] = flat
+        if like.device.type == "cpu" and used + size * like.element_size() <= WORKSPACE_BYTES:
+            # a normal tensor even under torch.inference_mode: a later call outside it
+            # may not write into an inference tensor
+            with torch.inference_mode(False):
+                flat = kept[key] = torch.empty(size, dtype=like.dtype, device=like.device)
         else:
-            self._call[key] = flat
+            flat = self._call[key] = like.new_empty(size)
         return flat.view(shape)
 
 

@@ -169,7 +169,8 @@ class _LogFeatures:
 
 def favor_block_size(batch: int, width: int, n: int, causal: bool = False) -> int:
     """Default rows per block of :func:`favor_attention`: about ``2^20`` numbers (4 MiB
-    in float32) per intra-op thread (``torch.get_num_threads()``), half that when causal.
+    in float32) per intra-op thread (``torch.get_num_threads()``), half that for the
+    causal forward pass (``causal``; :func:`favor_attention` passes it without autograd).
 
     Each block costs about ten parallel operations (products, ``exp``, softmax,
     copies). When idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) each of them
@@ -180,8 +181,9 @@ def favor_block_size(batch: int, width: int, n: int, causal: bool = False) -> in
     Measured with ``benchmarks/attention_speed.py``'s setting (``n = 8192``, 8 heads,
     ``m = 256``, 2 threads): bidirectional, 1024-row blocks were clearly faster than
     512-row ones with sleeping threads and as fast with spinning ones, and 2048-row
-    blocks slower with spinning threads; causal, 512-row blocks were 10-15 % faster
-    than 1024-row ones with spinning threads and as fast with sleeping ones.
+    blocks slower with spinning threads; causal forward, 512-row blocks were 5-15 %
+    faster than 1024-row ones with spinning threads and about as fast with sleeping
+    ones; a causal training step was faster with 1024-row blocks.
     """
     threads = max(1, torch.get_num_threads())
     numbers = 2**20 * threads // (2 if causal else 1)
@@ -254,8 +256,9 @@ def favor_attention(
     w = w.to(dtype) * scale  # (m, d): (d^-1/4 x) w^T = x (d^-1/4 w)^T, no copy of q or k
     batch, (q3, k3, v3, mask2) = flatten_batch(q, k, v, mask)
     width = w.shape[0] * (1 if kind == "positive" else 2)
-    size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2], causal)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2],
+                                          causal and not recording)
     features_of = _LogFeatures(w, kind, scale, recording)
     out = stabilised_attention(
         q3,
