@@ -54,10 +54,11 @@ this costs nothing). The query map receives the constants in these units and con
 (``c ln 2``) into its own product; its softmax stays in base e. Bounds such as
 ``SAFE_EXPONENT`` are stated in base e below.
 
-**Buffers.** Without autograd, each block's rows, log-features and ``[v, 1]`` are written
-into buffers reused from block to block (``Scratch``), on the CPU kept from call to call
-(per thread, at most ``WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page
-faults on first touch, as much as the arithmetic. The queries are taken in blocks that
+**Buffers.** Without autograd, the rows the maps take (made once per call), each block's
+log-features and ``[v, 1]`` are written into buffers reused from block to block
+(``Scratch``), on the CPU kept from call to call (per thread, at most
+``WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page faults on first touch,
+as much as the arithmetic. The queries are taken in blocks that
 are contiguous pieces of the output (whole batch rows, or rows of one batch row), so that
 their product with the values writes the result in place.
 
@@ -77,7 +78,7 @@ from ._padding import zeros_like_result
 
 # (log-magnitude (B, b, w) or (B, b, 1), or None for 0; signed part (B, b, m) or None for 1)
 LogFeatures = tuple[torch.Tensor | None, torch.Tensor | None]
-# (rows (B, b, d), constant (B, 1, w) or None) -> log-features; the key map returns
+# (rows (B, b, e), constant (B, 1, w) or None) -> log-features; the key map returns
 # ``log2 e * (b - c)`` (base 2, with ``constant = log2 e * c``), the query map ``a + c`` in
 # base e (``constant * ln 2`` folded into its product), and either a log part or a signed
 # part, not both.
@@ -318,7 +319,7 @@ def _query_blocks(batch: int, n: int, block_size: int, all_heads: bool):
         return [(slice(None), slice(start, start + block_size), 1)
                 for start in range(0, n, block_size)]
     numbers = batch * block_size  # query rows per block
-    if n <= numbers:
+    if n < 2 * block_size or n * 2 <= numbers:  # (pieces of one batch row: no gain)
         per = max(1, numbers // max(n, 1))
         return [(slice(h, h + per), slice(None), 1) for h in range(0, batch, per)]
     blocks = []
@@ -347,7 +348,7 @@ def _bidirectional(q, k, values, query_logs, key_logs, mask, block_size, output)
     # product with the values has d_v columns, not d_v + 1. Rows with no key give 0.
     sums = torch.where(seen, sums, 1.0)  # (no NaN, not even in a gradient, for those rows)
     shift = torch.where(seen, constant + sums.log2(), 0.0)  # (B, 1, m), base 2
-    values_t = torch.where(seen, state[:, :-1] / sums, 0.0).transpose(-2, -1)  # (B, m, d_v)
+    values_t = torch.where(seen, state[:, :-1] / sums, 0.0).transpose(-2, -1).contiguous()
     for heads, rows, pieces in _query_blocks(q.shape[0], q.shape[1], block_size,
                                              output.recording):
         block = q[heads, rows]  # (B', b, e), or one batch row cut into pieces:
@@ -405,11 +406,12 @@ def stabilised_attention(
 ) -> torch.Tensor:
     """``D^-1 phi(Q) (phi(K)^T V)`` for exponential features given by their logs.
 
-    q ``(B, n_q, d)``, k ``(B, n_k, d)``, v ``(B, n_k, d_v)`` (compute dtype, padded
-    rows already zero), mask ``(B, n_k)`` or None -> ``(B, n_q, d_v)``. The feature maps
-    return ``(log, signed)`` with the feature ``signed * 2^log`` (keys) or ``signed *
-    exp(log)`` (queries), any constant per query row dropped, and take the per-feature
-    constant to fold into their product (see :data:`LogFeatureMap`). A query with no
+    q ``(B, n_q, e)``, k ``(B, n_k, e')`` (the rows the maps take), v ``(B, n_k, d_v)``
+    (compute dtype, padded rows already zero), mask ``(B, n_k)`` or None -> ``(B, n_q,
+    d_v)``. The feature maps return ``(log, signed)`` with the feature ``signed *
+    2^log`` (keys) or ``signed * exp(log)`` (queries), any constant per query row
+    dropped, and take the per-feature constant to fold into their product (see
+    :data:`LogFeatureMap`). A query with no
     unmasked key gets zeros. ``recording``: autograd records the call (the inputs or the
     maps' parameters require gradients); otherwise blocks reuse buffers.
 

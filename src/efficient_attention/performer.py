@@ -85,8 +85,9 @@ class _LogFeatures:
     of their own, on rows with extra columns: ``[q, 1] [w, c]^T = q w^T + c`` and, in
     base 2 (``_stabilised`` takes the key logs in base 2, the constants ``c' = log2 e
     c`` too), ``[k, |k|^2, 1] [log2 e w, -log2 e d^-1/2 / 2, -c']^T = log2 e (w^T k~ -
-    |k~|^2 / 2 - c)``. Without autograd the rows and the products are written into
-    buffers reused from block to block (``_stabilised.Scratch``).
+    |k~|^2 / 2 - c)``. The rows are made once per call (:meth:`rows`: one pass each, not
+    one per block); without autograd they and each block's products are written into
+    buffers reused from block to block and from call to call (``_stabilised.Scratch``).
     """
 
     def __init__(self, w: torch.Tensor, kind: str, scale: float, recording: bool) -> None:
@@ -114,14 +115,24 @@ class _LogFeatures:
         buffer[:, -1:].copy_(last_row)
         return buffer
 
-    def _rows(self, name: str | None, x: torch.Tensor, *columns: torch.Tensor):
-        """``[x, columns..., 1]`` ``(B, b, e + len(columns) + 1)`` (in buffer ``name``
-        without autograd)."""
-        parts = [x, *columns, x.new_ones(()).expand(*x.shape[:-1], 1)]
-        if self.scratch is None or name is None:
+    def rows(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the maps take, made once per call (no pass of their own per block):
+        ``[q, 1]`` ``(B, n_q, d + 1)`` and ``[k, |k|^2, 1]`` ``(B, n_k, d + 2)`` for
+        positive and hyperbolic features; ``q`` and ``k`` as they are for trig ones."""
+        q, k = q.to(self.w_t.dtype), k.to(self.w_t.dtype)
+        if self.kind == "trig":
+            return q, k
+        one = q.new_ones(())
+        square_norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True).square()  # |k|^2
+        return (self._cat("query rows", [q, one.expand(*q.shape[:-1], 1)]),
+                self._cat("key rows", [k, square_norm, one.expand(*k.shape[:-1], 1)]))
+
+    def _cat(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.cat(parts, -1)``, into buffer ``name`` without autograd."""
+        if self.scratch is None:
             return torch.cat(parts, dim=-1)
-        shape = (*x.shape[:-1], sum(part.shape[-1] for part in parts))
-        return torch.cat(parts, dim=-1, out=self.scratch.get(name, shape, x))
+        shape = (*parts[0].shape[:-1], sum(part.shape[-1] for part in parts))
+        return torch.cat(parts, dim=-1, out=self.scratch.get(name, shape, parts[0]))
 
     def _product(self, name: str, rows: torch.Tensor, weights: torch.Tensor):
         """``rows @ weights`` ``(B, b, w')``, into buffer ``name`` without autograd."""
@@ -130,39 +141,36 @@ class _LogFeatures:
         shape = (rows.shape[0], rows.shape[1], weights.shape[-1])
         return torch.bmm(rows, weights, out=self.scratch.get(name, shape, rows))
 
-    def queries(self, q: torch.Tensor, constant: torch.Tensor | None):
-        """``(log, signed)`` of queries ``(B, b, d)`` up to a row constant, with ``constant
-        (B, 1, w')`` added. Positive, hyperbolic: ``log = q w^T + constant``. Trig:
-        ``signed = [cos, sin](q w^T)`` (its constant is one number per batch row, which
-        cancels). ``exp(-|q~|^2 / 2)`` (``exp(|q~|^2 / 2)`` for trig) and ``1/sqrt(m)``
-        are the same for every feature of a row: dropped."""
-        q = q.to(self.w_t.dtype)
-        if self.kind == "trig" or constant is None:
-            proj = q @ self.w_t  # (B, b, w')
-            return (None, torch.cat([proj.cos(), proj.sin()], dim=-1)) if (
-                self.kind == "trig") else (proj, None)
+    def queries(self, rows: torch.Tensor, constant: torch.Tensor | None):
+        """``(log, signed)`` of query rows ``(B, b, .)`` (:meth:`rows`) up to a row
+        constant, with ``constant (B, 1, w')`` added. Positive, hyperbolic: ``log = q w^T
+        + constant``. Trig: ``signed = [cos, sin](q w^T)`` (its constant is one number per
+        batch row, which cancels). ``exp(-|q~|^2 / 2)`` (``exp(|q~|^2 / 2)`` for trig) and
+        ``1/sqrt(m)`` are the same for every feature of a row: dropped."""
+        if self.kind == "trig":
+            proj = rows @ self.w_t  # (B, b, w')
+            return None, torch.cat([proj.cos(), proj.sin()], dim=-1)
+        if constant is None:
+            return rows[..., :-1] @ self.w_t, None
         cached, weights = self._query_cache  # bidirectional: one constant for all blocks
         if constant is not cached or self.recording:  # base-2 constant -> base e
             weights = self._weights("query_weights", LN2 * constant)  # (B, d + 1, w')
             self._query_cache = (constant, weights)
-        rows = self._rows("query rows", q)  # (B, b, d + 1)
         return self._product("query logs", rows, weights), None  # (B, b, w')
 
-    def keys(self, k: torch.Tensor, constant: torch.Tensor | None):
-        """``(log, signed)`` of keys ``(B, b, d)`` (up to ``1/sqrt(m)``) in base 2, with
-        ``constant`` (base 2) subtracted. Positive, hyperbolic: ``log = log2 e (w^T k~ -
-        |k~|^2 / 2) - constant``. Trig: ``log = log2 e |k~|^2 / 2 - constant`` (one per
-        key, ``(B, b, 1)``) and ``signed = [cos, sin](w^T k~)``."""
-        k = k.to(self.w_t.dtype)
-        square_norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True).square()  # |k|^2
+    def keys(self, rows: torch.Tensor, constant: torch.Tensor | None):
+        """``(log, signed)`` of key rows ``(B, b, .)`` (:meth:`rows`, up to ``1/sqrt(m)``)
+        in base 2, with ``constant`` (base 2) subtracted. Positive, hyperbolic: ``log =
+        log2 e (w^T k~ - |k~|^2 / 2) - constant``. Trig: ``log = log2 e |k~|^2 / 2 -
+        constant`` (one per key, ``(B, b, 1)``) and ``signed = [cos, sin](w^T k~)``."""
         if self.kind == "trig":
-            proj = k @ self.w_t  # (B, b, m)
+            square_norm = torch.linalg.vector_norm(rows, dim=-1, keepdim=True).square()
+            proj = rows @ self.w_t  # (B, b, m)
             log = self.half_scale_sq_log2 * square_norm
             signed = torch.cat([proj.cos(), proj.sin()], dim=-1)
             return (log if constant is None else log - constant), signed
         if constant is None:  # (one key row at a time: no buffer)
-            return self._rows(None, k, square_norm) @ self.key_weights, None
-        rows = self._rows("key rows", k, square_norm)  # (B, b, d + 2)
+            return rows @ self.key_weights, None
         weights = self._weights("key_weights", -constant)  # (B, d + 2, w')
         return self._product("key logs", rows, weights), None
 
@@ -238,8 +246,9 @@ def favor_attention(
         ``(..., n_q, d_v)`` in the dtype of ``q``; half inputs are computed in float32.
 
     Cost: time ``O(n m (d + d_v))`` (+ ``O(n C (m + d_v))`` causal). Memory without
-    autograd: the output plus one block of features, ``O(n d_v + b m)`` (on the CPU the
-    block buffers, at most 64 MiB per thread, are kept for the next call:
+    autograd: the output, the rows ``[q, 1]`` and ``[k, |k|^2, 1]`` (the size of ``q``
+    and ``k``) and one block of features, ``O(n (d + d_v) + b m)`` (on the CPU these
+    buffers, up to 64 MiB per thread, are kept for the next call:
     ``_stabilised.release_workspace`` frees them); with autograd the features ``O(n m)``
     and, when causal, one ``m x d_v`` state per chunk.
     """
@@ -260,9 +269,10 @@ def favor_attention(
     size = block_size or favor_block_size(q3.shape[0], width, q.shape[-2],
                                           causal and not recording)
     features_of = _LogFeatures(w, kind, scale, recording)
+    q_rows, k_rows = features_of.rows(q3, k3)
     out = stabilised_attention(
-        q3,
-        k3,
+        q_rows,
+        k_rows,
         v3.to(dtype),
         features_of.queries,
         features_of.keys,
