@@ -56,8 +56,8 @@ this costs nothing). The query map receives the constants in these units and con
 
 **Buffers.** Without autograd, the rows the maps take (made once per call), each block's
 log-features and ``[v, 1]`` are written into buffers reused from block to block
-(``Scratch``), on the CPU kept from call to call (per thread, at most
-``WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page faults on first touch,
+(:class:`._workspace.Scratch`), on the CPU kept from call to call (per thread, at most
+``_workspace.WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page faults on first touch,
 as much as the arithmetic. The queries are taken in blocks that
 are contiguous pieces of the output (whole batch rows, or rows of one batch row), so that
 their product with the values writes the result in place.
@@ -68,13 +68,13 @@ Shapes are flattened to ``(B, n, x)``.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 
 import torch
 
 from ._blockwise import causal_prefix_products, default_chunk_size, divide, values_with_ones
 from ._padding import zeros_like_result
+from ._workspace import Scratch
 
 # (log-magnitude (B, b, w) or (B, b, 1), or None for 0; signed part (B, b, m) or None for 1)
 LogFeatures = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -89,58 +89,6 @@ LN2 = math.log(2.0)
 SAFE_EXPONENT = 30.0  # the most a key feature may exceed its constant by, in base e
 _SAFE_LOG2 = SAFE_EXPONENT * LOG2E  # the same, in the base-2 units of the key logs
 _LARGEST_SUM = math.exp(SAFE_EXPONENT)  # bound on a column sum of key features (a state)
-
-
-WORKSPACE_BYTES = 64 * 2**20  # CPU buffers kept between calls, per thread
-_WORKSPACE = threading.local()  # .buffers: {(name, dtype, device): flat tensor}
-
-
-class Scratch:
-    """Buffers reused from block to block: ``get(name, shape, like)`` is a contiguous
-    tensor of ``shape`` with the dtype and device of ``like``, whose content the caller
-    overwrites until its next ``get`` of the same name. Never used when autograd records
-    (saved tensors must not change), and nothing of it is returned to the caller.
-
-    CPU buffers are also kept from call to call, per thread, up to ``WORKSPACE_BYTES``
-    in all (:func:`release_workspace` frees them): a fresh multi-MiB tensor costs a page
-    fault per 4 KiB on first touch, and memory freed at the end of a call is often given
-    back to the system, so that every call paid them again. Other devices have caching
-    allocators: their buffers live for one call.
-    """
-
-    def __init__(self) -> None:
-        self._call: dict[tuple, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        size = math.prod(shape)
-        key = (name, like.dtype, like.device)
-        kept = _kept_buffers() if like.device.type == "cpu" else {}
-        for store in (kept, self._call):
-            flat = store.get(key)
-            if flat is not None and flat.numel() >= size:
-                return flat[:size].view(shape)
-        kept.pop(key, None)  # too small: replaced
-        used = sum(t.numel() * t.element_size() for t in kept.values())
-        if like.device.type == "cpu" and used + size * like.element_size() <= WORKSPACE_BYTES:
-            # a normal tensor even under torch.inference_mode: a later call outside it
-            # may not write into an inference tensor
-            with torch.inference_mode(False):
-                flat = kept[key] = torch.empty(size, dtype=like.dtype, device=like.device)
-        else:
-            flat = self._call[key] = like.new_empty(size)
-        return flat.view(shape)
-
-
-def _kept_buffers() -> dict[tuple, torch.Tensor]:
-    if not hasattr(_WORKSPACE, "buffers"):
-        _WORKSPACE.buffers = {}
-    return _WORKSPACE.buffers
-
-
-def release_workspace() -> None:
-    """Free the CPU buffers FAVOR+ keeps between calls in this thread (at most
-    ``WORKSPACE_BYTES``; the next call makes them again)."""
-    _kept_buffers().clear()
 
 
 def _key_features_(log: torch.Tensor, signed: torch.Tensor | None) -> torch.Tensor:

@@ -51,7 +51,8 @@ from ._checks import (
     check_tensor,
     compute_dtype,
 )
-from ._stabilised import LN2, LOG2E, Scratch, stabilised_attention
+from ._stabilised import LN2, LOG2E, stabilised_attention
+from ._workspace import Scratch
 from .random_features import gaussian_random_matrix
 
 __all__ = ["favor_attention", "FavorAttention"]
@@ -87,7 +88,7 @@ class _LogFeatures:
     c`` too), ``[k, |k|^2, 1] [log2 e w, -log2 e d^-1/2 / 2, -c']^T = log2 e (w^T k~ -
     |k~|^2 / 2 - c)``. The rows are made once per call (:meth:`rows`: one pass each, not
     one per block); without autograd they and each block's products are written into
-    buffers reused from block to block and from call to call (``_stabilised.Scratch``).
+    buffers reused from block to block and from call to call (``_workspace.Scratch``).
     """
 
     def __init__(self, w: torch.Tensor, kind: str, scale: float, recording: bool) -> None:
@@ -249,7 +250,7 @@ def favor_attention(
     autograd: the output, the rows ``[q, 1]`` and ``[k, |k|^2, 1]`` (the size of ``q``
     and ``k``) and one block of features, ``O(n (d + d_v) + b m)`` (on the CPU these
     buffers, up to 64 MiB per thread, are kept for the next call:
-    ``_stabilised.release_workspace`` frees them); with autograd the features ``O(n m)``
+    ``_workspace.release_workspace`` frees them); with autograd the features ``O(n m)``
     and, when causal, one ``m x d_v`` state per chunk.
     """
     q, k, v = check_qkv(q, k, v)
