@@ -181,11 +181,11 @@ def favor_block_size(batch: int, width: int, n: int, causal: bool = False) -> in
     in float32) per intra-op thread (``torch.get_num_threads()``), half that for the
     causal forward pass (``causal``; :func:`favor_attention` passes it without autograd).
 
-    Each block costs about ten parallel operations (products, ``exp``, softmax,
-    copies). When idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) each of them
-    first wakes a thread, about 0.1 ms on a two-core virtual machine, so fewer blocks
-    pay; with the work split between the threads, each still handles a few MiB that
-    stay in cache. Causal blocks also hold their chunk states and prefixes (``b m (d_v
+    Each block costs several parallel operations (products, ``exp``, softmax; causal
+    blocks fifteen). When idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) each
+    of them first wakes a thread, 60-90 microseconds on a two-core virtual machine, so
+    fewer blocks pay; with the work split between the threads, each still handles a few
+    MiB that stay in cache. Causal blocks also hold their chunk states and prefixes (``b m (d_v
     + 1) / C`` numbers each, as many as the features), so they get half the rows.
     Measured with ``benchmarks/attention_speed.py``'s setting (``n = 8192``, 8 heads,
     ``m = 256``, 2 threads): bidirectional, 1024-row blocks were clearly faster than
