@@ -57,9 +57,9 @@ this costs nothing). The query map receives the constants in these units and con
 **Buffers.** Without autograd, the rows the maps take (made once per call), each block's
 log-features and ``[v, 1]`` are written into buffers reused from block to block
 (:class:`._workspace.Scratch`), on the CPU kept from call to call (per thread, at most
-``_workspace.WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page faults on first touch,
-as much as the arithmetic. The queries are taken in blocks that
-are contiguous pieces of the output (whole batch rows, or rows of one batch row), so that
+``_workspace.WORKSPACE_BYTES``): fresh multi-MiB tensors would each cost page faults on
+first touch, as much as the arithmetic. The queries are taken in blocks that are
+contiguous pieces of the output (whole batch rows, or rows of one batch row), so that
 their product with the values writes the result in place.
 
 Shapes are flattened to ``(B, n, x)``.
@@ -359,9 +359,9 @@ def stabilised_attention(
     d_v)``. The feature maps return ``(log, signed)`` with the feature ``signed *
     2^log`` (keys) or ``signed * exp(log)`` (queries), any constant per query row
     dropped, and take the per-feature constant to fold into their product (see
-    :data:`LogFeatureMap`). A query with no
-    unmasked key gets zeros. ``recording``: autograd records the call (the inputs or the
-    maps' parameters require gradients); otherwise blocks reuse buffers.
+    :data:`LogFeatureMap`). A query with no unmasked key gets zeros. ``recording``:
+    autograd records the call (the inputs or the maps' parameters require gradients);
+    otherwise blocks reuse buffers.
 
     Cost: the feature products, ``O(n m d)``, one ``exp`` pass over the key features,
     one softmax over the query features, and the products with the values (``O(n m

@@ -153,7 +153,7 @@ class _LogFeatures:
             return None, torch.cat([proj.cos(), proj.sin()], dim=-1)
         if constant is None:
             return rows[..., :-1] @ self.w_t, None
-        cached, weights = self._query_cache  # bidirectional: one constant for all blocks
+        cached, weights = self._query_cache  # causal blocks that keep their constant
         if constant is not cached or self.recording:  # base-2 constant -> base e
             weights = self._weights("query_weights", LN2 * constant)  # (B, d + 1, w')
             self._query_cache = (constant, weights)
@@ -185,8 +185,9 @@ def favor_block_size(batch: int, width: int, n: int, causal: bool = False) -> in
     blocks fifteen). When idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) each
     of them first wakes a thread, 60-90 microseconds on a two-core virtual machine, so
     fewer blocks pay; with the work split between the threads, each still handles a few
-    MiB that stay in cache. Causal blocks also hold their chunk states and prefixes (``b m (d_v
-    + 1) / C`` numbers each, as many as the features), so they get half the rows.
+    MiB that stay in cache. Causal blocks also hold their chunk states and prefixes
+    (``b m (d_v + 1) / C`` numbers each, as many as the features), so they get half the
+    rows.
     Measured with ``benchmarks/attention_speed.py``'s setting (``n = 8192``, 8 heads,
     ``m = 256``, 2 threads): bidirectional, 1024-row blocks were clearly faster than
     512-row ones with sleeping threads and as fast with spinning ones, and 2048-row
