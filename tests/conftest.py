@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
+    page_major(items)
     if hasattr(config, "workerinput"):  # an xdist worker: the order xdist hands groups out in
         items.sort(key=lambda item: cost_rank(item.nodeid))  # stable: groups stay in order
     if torch.cuda.is_available():
@@ -53,6 +54,22 @@ def cost_rank(nodeid: str) -> int:
         if path.startswith(prefixes):
             return rank
     return len(COST_RANKS) + (0 if path.endswith(".ipynb") else 1)
+
+
+def page_major(items) -> None:
+    """Reorder the browser tests (tests/test_browser.py) page by page, in place: every test of
+    one page (parameter ``entry``) runs before the next page's, in file order, so that the
+    browser keeps one page open at a time. Other tests keep their places."""
+    slots = [index for index, item in enumerate(items)
+             if item.nodeid.startswith("tests/test_browser.py")
+             and "entry" in getattr(getattr(item, "callspec", None), "params", {})]
+    browser_items = [items[index] for index in slots]
+    first_seen: dict[str, int] = {}
+    for item in browser_items:
+        first_seen.setdefault(item.callspec.params["entry"], len(first_seen))
+    browser_items.sort(key=lambda item: first_seen[item.callspec.params["entry"]])
+    for index, item in zip(slots, browser_items, strict=True):
+        items[index] = item
 
 
 def work_unit(nodeid: str, assignments: set[str]) -> str:

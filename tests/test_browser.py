@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urljoin, urlparse
@@ -60,6 +61,9 @@ CHROMIUM_ARGS = [
 ]
 LOCAL_HOST = "127.0.0.1"
 TIMEOUT_MS = 30_000
+# How long a page may keep requests in flight after its load event (generous: on a busy 2-core
+# machine MathJax fetches its fonts slowly while the other test workers run notebooks).
+SETTLE_TIMEOUT_MS = 4 * TIMEOUT_MS
 
 # Console errors that are not the book's fault, each with the reason it is harmless. Matched as
 # substrings of the message text. Keep this list short and explained.
@@ -105,12 +109,21 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+class _SiteServer(ThreadingHTTPServer):
+    """The built site on 127.0.0.1. A long listen queue: socketserver's default of 5 pending
+    connections overflows when Chromium opens several at once on a busy machine, and Linux then
+    drops the connection attempt, which Chromium retries only after 1, 2, 4, 8 ... seconds."""
+
+    request_queue_size = 128
+    daemon_threads = True
+
+
 @pytest.fixture(scope="module")
 def site_url():
     if not (SITE / "index.html").is_file():
         pytest.fail(f"{SITE / 'index.html'} is missing: build the book first (`make book`)")
     handler = functools.partial(_QuietHandler, directory=str(SITE))
-    server = ThreadingHTTPServer((LOCAL_HOST, 0), handler)  # port 0: any free port
+    server = _SiteServer((LOCAL_HOST, 0), handler)  # port 0: any free port
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://{LOCAL_HOST}:{server.server_address[1]}/"
@@ -156,14 +169,43 @@ class PageVisit:
         self.external: list[str] = []
         self.failed: list[str] = []
         self.console_errors: list[str] = []
+        self.pending: dict[object, str] = {}  # requests sent and not yet finished or failed
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
         self.page.set_default_timeout(TIMEOUT_MS)
+        self.page.on("request", self._request)
+        self.page.on("requestfinished", self._request_done)
         self.page.on("requestfailed", self._request_failed)
         self.page.on("response", self._response)
         self.page.on("console", self._console)
         self.page.on("pageerror", lambda error: self._error(f"uncaught: {error}"))
         self.response = self.page.goto(url, wait_until="load")
+
+    def settle(self, timeout_ms: int = SETTLE_TIMEOUT_MS) -> None:
+        """Wait until no request of the page is in flight, then half a second more with none.
+
+        Playwright's "networkidle" waits for the same thing but, when it times out, does not say
+        which request never finished; here the failure names them."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        quiet_since = None
+        while True:
+            now = time.monotonic()
+            if self.pending:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= 0.5:
+                return
+            if now > deadline:
+                pytest.fail(f"{self.page.url}: requests still in flight after "
+                            f"{timeout_ms / 1000:.0f} s: {sorted(self.pending.values())}")
+            self.page.wait_for_timeout(50)  # lets Playwright deliver the request events
+
+    def _request(self, request):
+        self.pending[request] = request.url
+
+    def _request_done(self, request):
+        self.pending.pop(request, None)
 
     def _route(self, route):
         url = route.request.url
@@ -174,6 +216,7 @@ class PageVisit:
             route.abort()
 
     def _request_failed(self, request):
+        self._request_done(request)
         if request.url not in self.external:  # aborted external requests are reported apart
             self.failed.append(f"{request.url}: {request.failure}")
 
@@ -195,17 +238,22 @@ class PageVisit:
 
 @pytest.fixture(scope="module")
 def loaded(browser, site_url):
-    """``load(path)``: the page, loaded once for the whole module. The per-page tests share it
-    (one load and one MathJax typesetting per page, not one per test); closed at the end."""
-    visits: dict[str, PageVisit] = {}
+    """``load(path)``: the page, shared by the tests of that page (one load and one MathJax
+    typesetting per page, not one per test). One page is open at a time: tests/conftest.py runs
+    the tests of this module page by page (``page_major``), and a page is closed when the next
+    is loaded."""
+    current: dict[str, PageVisit] = {}
 
     def load(path: str) -> PageVisit:
-        if path not in visits:
-            visits[path] = PageVisit(browser, urljoin(site_url, path))
-        return visits[path]
+        if path not in current:
+            for page_visit in current.values():
+                page_visit.close()
+            current.clear()
+            current[path] = PageVisit(browser, urljoin(site_url, path))
+        return current[path]
 
     yield load
-    for page_visit in visits.values():
+    for page_visit in current.values():
         page_visit.close()
 
 
@@ -220,7 +268,7 @@ def test_page_works_offline(loaded, site_url, entry):
     v = loaded(path)
     page = v.page
     assert v.response is not None and v.response.ok, f"{path}: {v.response and v.response.status}"
-    page.wait_for_load_state("networkidle", timeout=4 * TIMEOUT_MS)  # slow on a busy machine
+    v.settle()
     if entry == "index":  # the index redirects to the root page of the toc
         root = _toc_entries()[0]
         page.wait_for_url(f"**/{root}.html")
@@ -244,6 +292,31 @@ def test_page_works_offline(loaded, site_url, entry):
     assert not v.external, f"{path} requested outside hosts (must work offline): {v.external}"
     assert not v.failed, f"{path}: failed requests: {v.failed}"
     assert not v.console_errors, f"{path}: console errors: {v.console_errors}"
+
+
+def test_settle_names_a_request_that_never_finishes(browser, site_url):
+    """The wait for a quiet network fails, naming the request, when one never finishes."""
+    visit = PageVisit(browser, urljoin(site_url, "index.html"))
+    try:
+        visit.settle()
+        held = []  # the route of the request, never continued: the request stays in flight
+        visit.context.route("**/never-answered", lambda route: held.append(route))
+        visit.page.evaluate("() => { fetch('/never-answered'); }")
+        with pytest.raises(pytest.fail.Exception, match="never-answered"):
+            visit.settle(timeout_ms=1500)
+        assert held, "the request was not sent"
+    finally:
+        visit.close()
+
+
+def test_browser_tests_run_page_by_page(request):
+    """tests/conftest.py orders this module's tests page by page (one page open at a time)."""
+    entries = [item.callspec.params["entry"] for item in request.session.items
+               if item.nodeid.startswith("tests/test_browser.py")
+               and "entry" in getattr(getattr(item, "callspec", None), "params", {})]
+    runs = [entry for index, entry in enumerate(entries)
+            if index == 0 or entries[index - 1] != entry]
+    assert len(runs) == len(set(runs)), f"a page's tests are split: {runs}"
 
 
 @pytest.mark.parametrize("entry", [e for e in PAGES[1:] if _is_notebook(e)])
@@ -271,9 +344,11 @@ def test_notebook_pages_exist_in_toc():
     assert any(_is_notebook(entry) for entry in PAGES[1:]), PAGES
 
 
-def test_assignments_page_links_student_notebooks(loaded, site_url):
+@pytest.mark.parametrize("entry", ["book/assignments"])  # groups it with that page's tests
+def test_assignments_page_links_student_notebooks(loaded, site_url, entry):
     """The Assignments page links a downloadable student version of every assignment."""
-    path = "book/assignments.html"
+    assert entry in PAGES, f"{entry} is not in _toc.yml"
+    path = _html_path(entry)
     v = loaded(path)
     links = v.page.locator("a[href$='.ipynb']")
     hrefs = [links.nth(i).get_attribute("href") for i in range(links.count())]
