@@ -58,6 +58,7 @@ $(RELEASES): $(STAMP) $(SOURCES) assignments/release_for_book.py
 	$(BIN)/python assignments/release_for_book.py
 
 book: $(STAMP) $(RELEASES)
+	$(BIN)/python book/_execution_cache.py
 	$(BIN)/jupyter-book build . -W --keep-going
 	@echo "Book built: $(CURDIR)/_build/html/index.html"
 
@@ -90,18 +91,21 @@ grade: $(STAMP) bubblewrap
 	@test -n "$(ASSIGNMENT)" || { echo "usage: make grade ASSIGNMENT=<name>"; exit 2; }
 	cd assignments && PATH="$(CURDIR)/$(BIN):$$PATH" ../$(BIN)/python -m course_tools.grade $(ASSIGNMENT)
 
-browser: chromium book
+browser: chromium $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider tests/test_browser.py
 
 # Bubblewrap first (a missing one stops the run at once, with the command to install it), lint,
-# the book (seconds when `make book` ran before), then the unit, grading, browser and notebook
-# tests in ONE pytest run, so that every core stays busy to the end: the longest groups first,
-# the unit tests last (tests/conftest.py). Chromium, when missing, is installed by the browser
-# tests' fixture (.ci/ensure-packages), while the other workers go on. The assignment sources
-# are run by the grading tests (validated, graded as the "solution" student, which must run
-# cleanly), not a third time by nbval (`make notebooks` still does).
-test: bubblewrap lint book
-	$(PYTEST) --dist loadgroup --no-loadscope-reorder --nbval-lax tests $(CHAPTERS)
+# then ONE pytest run over all cores: the unit, grading and browser tests. The browser tests
+# start by building the book (`make book`, as their first test: tests/test_browser.py), so the
+# build, which executes every chapter on one core, overlaps the grading of the assignments on
+# the others; the build is the chapters' notebook validation (it fails on any error, and
+# book/_execution_cache.py re-executes every chapter when the library or the committed results
+# change). The longest groups go first, the unit tests last (tests/conftest.py). Chromium, when
+# missing, is installed by the browser tests' fixture while the other workers go on. The
+# assignment sources are run by the grading tests (validated, graded as the "solution" student,
+# which must run cleanly). `make notebooks` still runs nbval over chapters and sources.
+test: bubblewrap lint
+	$(PYTEST) --dist loadgroup --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -27,8 +27,9 @@ _toc.yml, whoever wrote it:
 `test_page_checks_catch_what_they_should` runs the same checks on a small synthetic page, so a
 check that silently stopped finding anything would fail there.
 
-Run after `make book` (`make browser` does both). A missing chromium is installed by the
-`browser` fixture when it can (as root, .ci/ensure-packages); otherwise it, like a missing
+The first test, `test_book_builds`, runs `make book` (seconds when nothing changed), so the
+pages checked are those of the current sources. A missing chromium is installed by the
+`browser` fixture when it can (as root, .ci/ensure-packages); otherwise it, like a failed
 build, is a failure with the command to run, never a skip.
 """
 
@@ -118,10 +119,34 @@ class _SiteServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
+BOOK_BUILD_TIMEOUT_S = 1800
+
+
+def test_book_builds():
+    """``make book`` succeeds: the releases, every chapter executed without an error (or taken
+    from the execution cache, which book/_execution_cache.py empties when the library or the
+    committed results change) and a Sphinx build with warnings as errors. It runs first in this
+    module, whose other tests check the site it writes; in ``make test`` it runs on one worker
+    while the others grade. With BOOK_HTML naming a site built elsewhere, that site is checked
+    as it is: it must exist."""
+    if "BOOK_HTML" in os.environ:
+        assert (SITE / "index.html").is_file(), f"BOOK_HTML={SITE} holds no built book"
+        return
+    try:
+        done = subprocess.run(["make", "-C", str(ROOT), "book"], capture_output=True, text=True,
+                              timeout=BOOK_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"make book ran past {BOOK_BUILD_TIMEOUT_S} s:\n{(error.stdout or '')[-4000:]}")
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"make book failed (exit {done.returncode}):\n{log[-6000:]}"
+    assert (SITE / "index.html").is_file(), f"make book wrote no index.html:\n{log[-2000:]}"
+
+
 @pytest.fixture(scope="module")
 def site_url():
     if not (SITE / "index.html").is_file():
-        pytest.fail(f"{SITE / 'index.html'} is missing: build the book first (`make book`)")
+        pytest.fail(f"{SITE / 'index.html'} is missing: the book did not build (see "
+                    "test_book_builds, or run `make book`)")
     handler = functools.partial(_QuietHandler, directory=str(SITE))
     server = _SiteServer((LOCAL_HOST, 0), handler)  # port 0: any free port
     thread = threading.Thread(target=server.serve_forever, daemon=True)
