@@ -35,7 +35,7 @@ export CHROMIUM_PATH ?= /usr/bin/chromium
 
 help:
 	@echo "make book      build the Jupyter Book into _build/html (creates .venv on first use)"
-	@echo "make test      lint, unit tests, notebook validation, grading pipeline, book build, browser test"
+	@echo "make test      lint, unit tests, grading pipeline, book build (every chapter run), browser test"
 	@echo "make lint | unit | notebooks | grading | browser   one part of 'make test'"
 	@echo "               (parts run on all cores; WORKERS=1 for one worker, 0 for no worker)"
 	@echo "make grade ASSIGNMENT=name   autograde every collected submission, table + CSV"

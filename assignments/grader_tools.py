@@ -126,10 +126,16 @@ def _make_grader():
         """A torch.Generator seeded by ``seed()``."""
         return torch_module.Generator().manual_seed(seed())
 
-    # Entering a dispatch mode imports torch._dynamo, which wraps torch.manual_seed and a few
-    # other functions: do it once before the snapshot, so that later calls change nothing.
-    largest_allocation(torch_module.zeros, 1)
-    peak_bytes(torch_module.zeros, 1)
+    # Importing torch._dynamo (which the first operator inside a dispatch mode above does, and
+    # torch.compile, an optimizer step ...) replaces torch.manual_seed by a wrapper, unless it
+    # was wrapped already. Wrap it here, before the snapshot, as torch._dynamo would: a later
+    # import then changes nothing the check watches, and no kernel pays a second for importing
+    # torch._dynamo up front.
+    if torch_module.manual_seed is torch_module.random.manual_seed:
+        import torch.jit._builtins as jit_builtins
+
+        torch_module.manual_seed = torch_module._disable_dynamo(torch_module.manual_seed)
+        jit_builtins._register_builtin(torch_module.manual_seed, "aten::manual_seed")
     # IPython rebinds these builtins at every execution (stdin forwarding, display hooks).
     kernel_managed = {"input", "getpass", "display", "get_ipython", "exit", "quit", "open",
                       "print", "help", "copyright", "credits", "license", "runfile"}

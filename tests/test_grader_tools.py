@@ -1,0 +1,66 @@
+"""assignments/grader_tools.py, the read-only cell every assignment runs second: the tamper check
+stays quiet when honest code imports torch._dynamo late, and still catches a replaced function.
+
+Each case runs in a fresh interpreter (whether torch._dynamo is imported is process state), with
+the setup cell of the assignments (make_notebook.DEFAULT_SETUP) first, as in a notebook.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "assignments"))
+from make_notebook import DEFAULT_SETUP  # noqa: E402
+
+GRADER_TOOLS = (ROOT / "assignments" / "grader_tools.py").read_text(encoding="utf-8")
+
+
+def _run_cells(after: str) -> subprocess.CompletedProcess:
+    program = "\n\n".join([DEFAULT_SETUP, GRADER_TOOLS, textwrap.dedent(after)])
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_grader_tools_do_not_import_dynamo_up_front():
+    """Importing torch._dynamo costs about a second of CPU per graded notebook; the cell leaves
+    it to the tests that measure memory (the first operator inside a dispatch mode)."""
+    done = _run_cells("""
+        import sys
+        print("dynamo after the cell:", "torch._dynamo" in sys.modules)
+        _, largest = _grader.largest_allocation(torch.ones, 3, 4)
+        print("largest:", largest, "dynamo after a measurement:", "torch._dynamo" in sys.modules)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "dynamo after the cell: False" in done.stdout, done.stdout
+    assert "largest: 12 dynamo after a measurement: True" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("late_import", [
+    "import torch._dynamo",
+    "model = torch.nn.Linear(2, 2)\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "model(torch.ones(1, 2)).sum().backward()\n"
+    "optimizer.step()\noptimizer.zero_grad()",
+    "_grader.peak_bytes(torch.zeros, 8)",
+    "torch.manual_seed(1)",
+])
+def test_a_late_dynamo_import_is_not_tampering(late_import):
+    done = _run_cells(late_import + "\nimport sys\n"
+                      "assert 'torch._dynamo' in sys.modules\n_grader.check()\nprint('clean')")
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tamper", [
+    "torch.manual_seed = lambda seed: None",
+    "torch.testing.assert_close = lambda *a, **k: None",
+    "import torch._dynamo\ntorch.manual_seed = torch.random.manual_seed",
+])
+def test_a_replaced_function_is_still_caught(tamper):
+    done = _run_cells(tamper + "\n_grader.check()")
+    assert done.returncode != 0 and "TamperedError" in done.stderr, done.stderr[-3000:]
