@@ -69,7 +69,16 @@ def _make_grader():
                 if storage.data_ptr() not in seen:
                     yield t, storage
 
-    class _LargestStorage(TorchDispatchMode):
+    class _Recording(TorchDispatchMode):
+        # By default the first operator inside a dispatch mode imports torch._dynamo (to keep
+        # it out of __torch_dispatch__): tens of MB of Python objects, which a test's
+        # tracemalloc window would count, and a second of CPU. Nothing here is compiled.
+
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+    class _LargestStorage(_Recording):
         # Largest new storage (in elements) created by any PyTorch operator in the block.
 
         def __init__(self):
@@ -82,7 +91,7 @@ def _make_grader():
                 self.largest = max(self.largest, storage.nbytes() // t.element_size())
             return out
 
-    class _PeakBytes(TorchDispatchMode):
+    class _PeakBytes(_Recording):
         # Peak bytes held at once by the tensors created inside the block.
 
         def __init__(self):
@@ -126,11 +135,10 @@ def _make_grader():
         """A torch.Generator seeded by ``seed()``."""
         return torch_module.Generator().manual_seed(seed())
 
-    # Importing torch._dynamo (which the first operator inside a dispatch mode above does, and
-    # torch.compile, an optimizer step ...) replaces torch.manual_seed by a wrapper, unless it
-    # was wrapped already. Wrap it here, before the snapshot, as torch._dynamo would: a later
-    # import then changes nothing the check watches, and no kernel pays a second for importing
-    # torch._dynamo up front.
+    # Importing torch._dynamo (torch.compile, an optimizer step ... do) replaces
+    # torch.manual_seed by a wrapper, unless it was wrapped already. Wrap it here, before the
+    # snapshot, as torch._dynamo would: a later import then changes nothing the check watches,
+    # and no kernel pays a second for importing torch._dynamo up front.
     if torch_module.manual_seed is torch_module.random.manual_seed:
         import torch.jit._builtins as jit_builtins
 
