@@ -8,10 +8,12 @@ makes, and a chapter that a library change breaks would still build.
 
 This script runs before ``jupyter-book build`` (``make book`` does it). It hashes what the
 chapters depend on besides their own cells (``INPUTS``, and the versions of Python and
-PyTorch) and empties the cache when the hash differs from the one stored with it, so that every
-chapter is executed again; an unchanged hash keeps the cache. Usage::
+PyTorch). When the hash differs from the one stored with the cache, it empties the cache and
+removes Sphinx's saved environment (``_build/.doctrees``): without the second, Sphinx would not
+even read the unchanged notebooks again, and nothing would be executed. Every chapter is then
+executed again; an unchanged hash keeps both. Usage::
 
-    python book/_execution_cache.py [--cache _build/.jupyter_cache]
+    python book/_execution_cache.py [--build _build]
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "_build" / ".jupyter_cache"
-STAMP = "inputs.sha256"
+BUILD = ROOT / "_build"
+CACHE = ".jupyter_cache"  # in the build folder: jupyter-book 1.x's execution cache
+DOCTREES = ".doctrees"  # in the build folder: Sphinx's saved environment
+STAMP = "inputs.sha256"  # in the cache
 # What the chapters read besides their own cells: the library, the committed benchmark results
 # (``ea.find_results``), and the pins of the installed packages.
 INPUTS = ("src/efficient_attention", "benchmarks/results", "pyproject.toml", "constraints.txt")
@@ -58,26 +62,29 @@ def inputs_hash(root: Path = ROOT) -> str:
     return digest.hexdigest()
 
 
-def refresh(cache: Path = CACHE, root: Path = ROOT) -> bool:
-    """Empty ``cache`` unless it was filled with the current inputs; return whether it was
-    emptied. Afterwards the cache (existing or not) is stamped with the current hash."""
+def refresh(build: Path = BUILD, root: Path = ROOT) -> bool:
+    """Empty the execution cache of the build folder ``build``, and remove its Sphinx
+    environment, unless the cache was filled with the current inputs; return whether they were
+    removed. Afterwards the cache (existing or not) is stamped with the current hash."""
     current = inputs_hash(root)
+    cache = build / CACHE
     stamp = cache / STAMP
     stored = stamp.read_text().strip() if stamp.is_file() else None
-    emptied = stored != current and cache.exists()
-    if emptied:
-        shutil.rmtree(cache)
+    stale = stored != current and (cache.exists() or (build / DOCTREES).exists())
+    if stale:
+        for folder in (cache, build / DOCTREES):
+            shutil.rmtree(folder, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
     stamp.write_text(current + "\n")
-    return emptied
+    return stale
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path, default=CACHE, help=f"default: {CACHE}")
+    parser.add_argument("--build", type=Path, default=BUILD, help=f"default: {BUILD}")
     args = parser.parse_args(argv)
-    if refresh(args.cache):
-        print(f"{args.cache}: the library, the benchmark results or the versions changed; "
+    if refresh(args.build):
+        print(f"{args.build}: the library, the benchmark results or the versions changed; "
               "every chapter will be executed again")
 
 

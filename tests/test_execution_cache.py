@@ -4,7 +4,10 @@ read besides their own cells changes, and kept otherwise."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +26,20 @@ def _project(root: Path) -> Path:
     return root
 
 
-def _filled_cache(path: Path) -> Path:
-    (path / "executed" / "abc").mkdir(parents=True)
-    (path / "executed" / "abc" / "base.ipynb").write_text("{}")
-    return path
+def _filled_build(build: Path) -> Path:
+    for folder in (execution_cache.CACHE, execution_cache.DOCTREES):
+        (build / folder / "executed").mkdir(parents=True, exist_ok=True)
+        (build / folder / "executed" / "base.ipynb").write_text("{}")
+    return build
+
+
+def _emptied(build: Path) -> bool:
+    return not any((build / folder / "executed").exists()
+                   for folder in (execution_cache.CACHE, execution_cache.DOCTREES))
+
+
+def _stamp(build: Path) -> str:
+    return (build / execution_cache.CACHE / execution_cache.STAMP).read_text().strip()
 
 
 def test_hash_follows_the_library_and_the_results_only(tmp_path):
@@ -44,35 +57,71 @@ def test_hash_follows_the_library_and_the_results_only(tmp_path):
     assert execution_cache.inputs_hash(root) not in (first, second)
 
 
-def test_refresh_empties_a_stale_cache_and_keeps_a_current_one(tmp_path):
+def test_refresh_empties_a_stale_build_and_keeps_a_current_one(tmp_path):
     root = _project(tmp_path / "project")
-    cache = _filled_cache(tmp_path / "cache")
+    build = _filled_build(tmp_path / "_build")
     # A cache without a stamp was filled by an unknown state of the inputs: emptied.
-    assert execution_cache.refresh(cache, root) is True
-    assert not (cache / "executed").exists()
-    assert (cache / execution_cache.STAMP).read_text().strip() == execution_cache.inputs_hash(root)
+    assert execution_cache.refresh(build, root) is True
+    assert _emptied(build)
+    assert _stamp(build) == execution_cache.inputs_hash(root)
     # Filled again under the same inputs: kept.
-    _filled_cache(cache)
-    assert execution_cache.refresh(cache, root) is False
-    assert (cache / "executed" / "abc" / "base.ipynb").is_file()
-    # A library change: emptied, and stamped with the new hash.
+    _filled_build(build)
+    assert execution_cache.refresh(build, root) is False
+    assert not _emptied(build)
+    # A library change: both emptied, and the cache stamped with the new hash.
     (root / "src" / "efficient_attention" / "core.py").write_text("x = 3\n")
-    assert execution_cache.refresh(cache, root) is True
-    assert not (cache / "executed").exists()
-    assert (cache / execution_cache.STAMP).read_text().strip() == execution_cache.inputs_hash(root)
+    assert execution_cache.refresh(build, root) is True
+    assert _emptied(build)
+    assert _stamp(build) == execution_cache.inputs_hash(root)
 
 
 def test_refresh_creates_a_missing_cache(tmp_path):
     root = _project(tmp_path / "project")
-    cache = tmp_path / "build" / ".jupyter_cache"
-    assert execution_cache.refresh(cache, root) is False  # nothing to empty
-    assert (cache / execution_cache.STAMP).is_file()
+    build = tmp_path / "_build"
+    assert execution_cache.refresh(build, root) is False  # nothing to empty
+    assert _stamp(build) == execution_cache.inputs_hash(root)
+
+
+PAGE = {
+    "cells": [{"cell_type": "code", "execution_count": None, "id": "reads-the-library",
+               "metadata": {}, "outputs": [],
+               "source": "from pathlib import Path\n"
+                         "print('value:', Path('src/efficient_attention/value.txt').read_text())"}],
+    "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                "name": "python3"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+
+
+def test_a_library_change_reaches_the_built_page(tmp_path):
+    """End to end, on a one-page book: without the refresh, a rebuild after a library change
+    shows the old output (the fault this script mends); with it, the new one."""
+    root = _project(tmp_path / "book")
+    value = root / "src" / "efficient_attention" / "value.txt"
+    (root / "_config.yml").write_text("title: t\nexecute:\n  execute_notebooks: cache\n"
+                                      "only_build_toc_files: true\n")
+    (root / "_toc.yml").write_text("format: jb-book\nroot: page\n")
+    (root / "page.ipynb").write_text(json.dumps(PAGE))
+    build, page = root / "_build", root / "_build" / "html" / "page.html"
+
+    def make_book(refresh: bool) -> str:
+        if refresh:
+            execution_cache.refresh(build, root)
+        done = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build",
+                               str(root)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return re.search(r"value: (\w+)", page.read_text(encoding="utf-8")).group(1)
+
+    value.write_text("first")
+    assert make_book(refresh=True) == "first"
+    value.write_text("second")
+    assert make_book(refresh=False) == "first"  # jupyter-book alone: stale
+    assert make_book(refresh=True) == "second"
 
 
 def test_make_book_refreshes_the_cache_jupyter_book_uses():
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     recipe = re.search(r"^book:.*\n((?:\t.*\n)+)", makefile, flags=re.M).group(1)
     assert recipe.index("book/_execution_cache.py") < recipe.index("jupyter-book build"), recipe
-    # jupyter-book 1.x keeps its cache in <build folder>/.jupyter_cache, the default here
-    assert execution_cache.CACHE == ROOT / "_build" / ".jupyter_cache"
+    assert execution_cache.BUILD == ROOT / "_build"  # jupyter-book build . writes there
     assert "execute_notebooks: cache" in (ROOT / "_config.yml").read_text(encoding="utf-8")
