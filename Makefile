@@ -17,12 +17,13 @@ CHAPTERS := $(wildcard book/*.ipynb)
 SOURCES  := $(wildcard assignments/source/*/*.ipynb)
 
 # The test parts run their tests on WORKERS processes (pytest-xdist; WORKERS=0: one process),
-# each with one thread. One more worker than cores: a graded notebook spends seconds waiting
+# each with one thread. Two more workers than cores: a graded notebook spends seconds waiting
 # (time limits of the battery's hanging cells, kernel shutdowns, the browser) and the extra
-# worker fills them (measured on 2 cores: 612 s with 3 workers, 818 s with 2). A notebook's
-# cells stay on one worker (--dist loadfile), and so do the tests of one graded assignment
-# (--dist loadgroup, grouped by tests/conftest.py), which is graded once.
-WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
+# workers fill them (`make test` on 2 cores: 818 s with 2 workers and 612 s with 3, in an
+# earlier state; 552 s with 3 and 507 s with 4 for its pytest part on one clone, stop 24). A
+# notebook's cells stay on one worker (--dist loadfile), and so do the tests of one graded
+# assignment (--dist loadgroup, grouped by tests/conftest.py), which is graded once.
+WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 2 )))
 PYTEST  := OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS)
 
 # Debian packages the tests use, installed by .ci/ensure-packages when missing (as root; anyone
