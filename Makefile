@@ -41,7 +41,8 @@ help:
 	@echo "               (parts run on all cores; WORKERS=1 for one worker, 0 for no worker)"
 	@echo "make grade ASSIGNMENT=name   autograde every collected submission, table + CSV"
 	@echo "make bench     rerun the benchmarks behind the comparison chapter (slow)"
-	@echo "make serve     serve the built book on http://127.0.0.1:8000"
+	@echo "make serve     serve the built book (built first only if missing) on http://127.0.0.1:8000"
+	@echo "               (PORT=8001 for another port; works from any folder: make -C <repo> serve)"
 	@echo "make clean     remove the build, caches and nbgrader's generated folders"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -111,8 +112,18 @@ test: bubblewrap lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
-serve: book
-	cd _build/html && $(BIN)/python -m http.server 8000 --bind 127.0.0.1
+# The book as last built, served on http://127.0.0.1:$(PORT) by Python's http.server (standard
+# library: no venv needed). It is built first only when BUILD_HTML has no index.html; `make book`
+# rebuilds it. Paths are absolute (the folder of this Makefile), so `make -C <repo> serve` and
+# `make -f <repo>/Makefile serve` work from any folder. BUILD_HTML: the folder served (the tests
+# point it at a scratch site).
+REPO       := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+PORT       ?= 8000
+BUILD_HTML ?= $(REPO)/_build/html
+serve:
+	@test -f '$(BUILD_HTML)/index.html' || $(MAKE) -C '$(REPO)' book
+	@echo "Serving $(BUILD_HTML) on http://127.0.0.1:$(PORT)/ (Ctrl-C stops it)"
+	$(PYTHON) -m http.server $(PORT) --bind 127.0.0.1 --directory '$(BUILD_HTML)'
 
 clean:
 	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache book/_downloads
