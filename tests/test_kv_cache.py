@@ -367,3 +367,90 @@ def test_truncate_forgets_the_latest_tokens():
         cache.truncate(7)
     with pytest.raises(TypeError, match="length must be a non-negative int"):
         cache.truncate(2.0)
+
+
+# --- issue 27: defects of the caches -------------------------------------------------------
+
+@pytest.mark.parametrize("window", [0, 1, 2, 5])
+@pytest.mark.parametrize("num_kv_heads", [6, 2])
+def test_long_unmasked_block_after_a_masked_append(window, num_kv_heads):
+    """A block of t > w + 1 tokens without a mask, after an append with one: its tokens
+    count as not padded (the zeros standing for its mask were cut to the ring's w + 1
+    slots, a raw RuntimeError for every window)."""
+    module = make_module(num_kv_heads)
+    x = torch.randn(2, window + 6, 24, dtype=F64)
+    pad = torch.zeros(2, window + 6, dtype=torch.bool)
+    pad[1, 0] = True
+    expected = banded_module(module, window)(x, causal=True, key_padding_mask=pad).detach()
+    cache = ea.SlidingWindowKVCache(window)
+    with torch.inference_mode():
+        first = module.decode(x[:, :1], cache, key_padding_mask=pad[:, :1])
+        rest = module.decode(x[:, 1:], cache)  # t = w + 5 > w + 1, no mask
+        last = module.decode(x[:, -1:], cache)  # the ring still knows what is padding
+    decoded = torch.cat([first, rest], dim=1)
+    assert cache.length == window + 7
+    assert max_error(decoded[~pad], expected[~pad]) < 1e-12
+    again = torch.cat([x, x[:, -1:]], dim=1)
+    pad_again = torch.cat([pad, pad[:, -1:]], dim=1)
+    band = banded_module(module, window)(again, causal=True, key_padding_mask=pad_again)
+    assert max_error(last[:, 0], band.detach()[:, -1]) < 1e-12
+
+
+@pytest.mark.parametrize("make", [lambda: ea.KVCache(8), lambda: ea.SlidingWindowKVCache(2)])
+def test_a_cache_filled_under_inference_mode_works_outside_it(make):
+    """Buffers allocated under torch.inference_mode() are inference tensors, which cannot be
+    written outside it: reset() and a new sequence raised "Inplace update to inference
+    tensor". The cache now takes ordinary buffers when it leaves inference mode."""
+    module = make_module(2)
+    x = torch.randn(2, 5, 24, dtype=F64)
+    cache = make()
+    window = getattr(cache, "window", None)
+    reference = module if window is None else banded_module(module, window)
+    expected = reference(x, causal=True).detach()
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    with torch.inference_mode():
+        module.decode(x[:, :3], cache, key_padding_mask=pad[:, :3])
+    cache.reset()
+    with torch.no_grad():  # a new sequence, outside inference mode
+        out = torch.cat([module.decode(x[:, :3], cache, key_padding_mask=pad[:, :3]),
+                         module.decode(x[:, 3:4], cache), module.decode(x[:, 4:], cache)], 1)
+    assert max_error(out, expected) < 1e-12
+    cache.reset()
+    with torch.inference_mode():  # back under inference mode: the buffers still serve
+        module.decode(x[:, :2], cache)
+    with torch.no_grad():  # and a sequence started there may continue outside it
+        rest = module.decode(x[:, 2:], cache)
+    assert max_error(rest, expected[:, 2:]) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("make, masked", [(lambda: ea.KVCache(512), False),
+                                          (lambda: ea.KVCache(512), True),
+                                          (lambda: ea.SlidingWindowKVCache(511), True)])
+def test_a_half_precision_step_does_not_copy_the_cache(dtype, make, masked):
+    """The docstring promises no copy of the cache; half precision converted the whole
+    cache to float32 on every step (2.1 MB allocated per step for this 1 MB cache). The
+    fused kernel reads the half-precision cache and accumulates in float32: what a step
+    allocates is independent of the cache size, well under 5% of it here."""
+    g = torch.Generator().manual_seed(0)
+    b, h_kv, group, d = 1, 8, 2, 64
+    cache = make()
+    keys = torch.randn(b, h_kv, 511, d, generator=g).to(dtype)
+    values = torch.randn(b, h_kv, 511, d, generator=g).to(dtype)
+    mask = torch.rand(b, 511, generator=g) < 0.2 if masked else None
+    cache.append(keys, values, mask)
+    k, v = (torch.randn(b, h_kv, 1, d, generator=g).to(dtype) for _ in "kv")
+    q = torch.randn(b, h_kv * group, 1, d, generator=g).to(dtype)
+    step_mask = torch.zeros(b, 1, dtype=torch.bool) if masked else None
+    with ea.TensorMemoryTracker() as tracker:
+        out = ea.cached_attention(q, cache.append(k, v, step_mask))
+    assert cache.nbytes >= 2**20
+    assert tracker.allocated < 0.05 * cache.nbytes
+    # the result is still float32 arithmetic rounded once: compare with float64
+    all_k, all_v = torch.cat([keys, k], 2).double(), torch.cat([values, v], 2).double()
+    blocked = None if mask is None else torch.cat([mask, step_mask], 1)[:, None]
+    expected = ea.softmax_attention(q.double(), all_k.repeat_interleave(group, 1),
+                                    all_v.repeat_interleave(group, 1), key_padding_mask=blocked)
+    assert out.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), expected, rtol=2 * eps, atol=2 * eps)

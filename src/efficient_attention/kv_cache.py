@@ -37,7 +37,6 @@ from ._checks import (
     check_positive_int,
     check_real,
     check_tensor,
-    compute_dtype,
 )
 from ._padding import zero_padded_rows
 
@@ -152,6 +151,15 @@ class _BufferedCache:
         width = self._keys.shape[-1] + self._values.shape[-1]  # d + d_v numbers per position
         return batch * heads * held * width * self._keys.element_size()
 
+    def _leave_inference_mode(self) -> None:
+        """Buffers made under ``torch.inference_mode()`` cannot be written outside it:
+        replace them by ordinary tensors (new ones for a new sequence, else copies)."""
+        renew = torch.empty_like if self.length == 0 else torch.clone
+        for name in ("_keys", "_values", "_padding"):
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.is_inference():
+                setattr(self, name, renew(buffer))
+
     def _prepare(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Allocate the buffers for a new sequence, or check that ``k, v`` continue it."""
         b, h_kv, _, d = k.shape
@@ -168,6 +176,8 @@ class _BufferedCache:
                 )
             if not same:
                 self._keys = self._values = self._padding = None
+        if not torch.is_inference_mode_enabled():
+            self._leave_inference_mode()
         if self._keys is None:
             self._keys = k.new_empty(b, h_kv, self.capacity, d)
             self._values = v.new_empty(b, h_kv, self.capacity, v.shape[-1])
@@ -197,7 +207,9 @@ class KVCache(_BufferedCache):
 
     Cost: ``append`` copies the ``t`` new keys and values, ``O(b h_kv t d)``; memory
     ``2 b h_kv max_len d`` numbers. The buffers are written in place: decode under
-    ``torch.inference_mode()`` (autograd can go through the latest append only).
+    ``torch.inference_mode()`` (autograd can go through the latest append only). Buffers
+    made there are replaced by ordinary tensors at the first append outside it (new ones
+    after ``reset()``, a copy if a sequence is under way), so the cache can be reused.
     """
 
     def __init__(self, max_len: int) -> None:
@@ -305,7 +317,7 @@ class SlidingWindowKVCache(_BufferedCache):
         keys = torch.cat([self._keys[:, :, :held], k], dim=-2)
         values = torch.cat([self._values[:, :, :held], v], dim=-2)
         if self._padding is not None:
-            new = mask if mask is not None else torch.zeros_like(self._padding[:, :t])
+            new = mask if mask is not None else self._padding.new_zeros(k.shape[0], t)
             blocked = blocked | torch.cat([self._padding[:, :held], new], -1)[:, None, None]
         kept = min(t, size)  # only the last w + 1 new positions stay
         slots = torch.arange(start + t - kept, start + t, device=k.device) % size
@@ -333,8 +345,11 @@ def cached_attention(
             as returned by :meth:`KVCache.append`.
         scale: multiplies the scores; ``None`` means ``1/sqrt(d)``.
 
-    Returns ``(batch, h_q, t, d_v)`` in the dtype of ``q`` (half precision is computed in
-    float32). A query that sees no key gets zeros, as in ``softmax_attention``.
+    Returns ``(batch, h_q, t, d_v)`` in the dtype of ``q``. A query that sees no key gets
+    zeros, as in ``softmax_attention``. Half precision (float16, bfloat16) goes to SDPA as
+    it is: its fused kernels read the half-precision keys and values and accumulate in
+    float32, so no float32 copy of the cache is made (converting it would allocate twice
+    the cache's bytes per step).
 
     The ``g = h_q / h_kv`` query heads of a group are stacked as ``g t`` rows against their
     shared keys, and PyTorch's fused ``scaled_dot_product_attention`` runs on these 4-D
@@ -361,9 +376,7 @@ def cached_attention(
     h_kv, m = keys.shape[1], keys.shape[2]
     group = h_q // h_kv
     scale = d**-0.5 if scale is None else check_real(scale, "scale")
-    dtype = compute_dtype(q)
-    rows = q.reshape(b, h_kv, group * t, d).to(dtype)  # query head h -> kv head h // group
-    keys, values = keys.to(dtype), values.to(dtype)
+    rows = q.reshape(b, h_kv, group * t, d)  # query head h -> kv head h // group
     if blocked is None:
         out = F.scaled_dot_product_attention(rows, keys, values, scale=scale)
     else:
@@ -374,4 +387,4 @@ def cached_attention(
         out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=~mask, scale=scale)
         # A query with no key left gets zeros (SDPA would give 0 / 0 = NaN there).
         out = out.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
-    return out.reshape(b, h_q, t, values.shape[-1]).to(q.dtype)  # (b, h_q, t, d_v)
+    return out.reshape(b, h_q, t, values.shape[-1])  # (b, h_q, t, d_v)
