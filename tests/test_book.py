@@ -303,3 +303,61 @@ def test_causal_comparisons_have_their_causal_baseline():
     assert not unmatched, f"causal methods timed without SDPA causal beside them: {unmatched}"
     code = "\n".join(_source(c) for c in _code_cells(BOOK / "comparison.ipynb"))
     assert '["SDPA causal"]' in code, "the comparison chapter must read the SDPA causal timings"
+
+
+# Chapters and assignments point to each other. The table of book/assignments.md ("| `name` |
+# {doc}`chapter`, ... |") is the record: every assignment under assignments/source/ has a row
+# naming its chapters, each of those chapters names the assignment in a paragraph that links the
+# Assignments page, and book/intro.md names exactly the chapters that have none.
+ASSIGNMENTS_PAGE = BOOK / "assignments.md"
+ASSIGNMENT_ROW = re.compile(r"^\|\s*`(\w+)`\s*\|(.+)\|\s*$", flags=re.MULTILINE)
+
+
+def _assignment_names() -> list[str]:
+    return sorted(path.stem for path in SOURCES if path.stem == path.parent.name)
+
+
+def _chapters_of_assignments() -> dict[str, list[str]]:
+    """Assignment name -> the chapters (book/<name>) its row of the Assignments page links."""
+    return {name: DOC.findall(cells)
+            for name, cells in ASSIGNMENT_ROW.findall(_prose(ASSIGNMENTS_PAGE))}
+
+
+def _paragraphs(path: Path) -> list[str]:
+    return re.split(r"\n\s*\n", _prose(path))
+
+
+def test_assignments_page_names_the_chapter_of_every_assignment():
+    table = _chapters_of_assignments()
+    assert sorted(table) == _assignment_names(), (
+        f"{_rel(ASSIGNMENTS_PAGE)}: its table of chapters lists {sorted(table)}, the assignments "
+        f"are {_assignment_names()}")
+    chapter_names = {path.stem for path in CHAPTERS}
+    for name, chapters in table.items():
+        assert chapters, f"{_rel(ASSIGNMENTS_PAGE)}: no {{doc}} link to a chapter for {name}"
+        unknown = [chapter for chapter in chapters if chapter not in chapter_names]
+        assert not unknown, f"{_rel(ASSIGNMENTS_PAGE)}: {name} links {unknown}, not chapters"
+
+
+@pytest.mark.parametrize("name", _assignment_names())
+def test_chapters_point_to_their_assignment(name):
+    chapters = _chapters_of_assignments().get(name, [])
+    silent = [chapter for chapter in chapters
+              if not any(f"`{name}`" in paragraph and "{doc}`assignments`" in paragraph
+                         for paragraph in _paragraphs(BOOK / f"{chapter}.ipynb"))]
+    assert not silent, (
+        f"book/assignments.md says {name} goes with {silent}, but no paragraph of theirs names "
+        f"`{name}` and links {{doc}}`assignments`")
+
+
+def test_intro_names_the_chapters_without_an_assignment():
+    with_assignment = {chapter for chapters in _chapters_of_assignments().values()
+                       for chapter in chapters}
+    without = sorted(path.stem for path in CHAPTERS if path.stem not in with_assignment)
+    claims = [paragraph for paragraph in _paragraphs(BOOK / "intro.md")
+              if "none of their own" in paragraph]
+    assert len(claims) == 1, "book/intro.md should say once which chapters have no assignment"
+    chapter_names = {path.stem for path in CHAPTERS}
+    named = sorted(target for target in DOC.findall(claims[0]) if target in chapter_names)
+    assert named == without, (
+        f"book/intro.md names {named} as the chapters without an assignment; they are {without}")
