@@ -163,8 +163,33 @@ def test_huge_log_decays_stay_finite():
 
 
 def test_per_channel_sub_chunks_divide_the_chunk():
-    assert [recurrent_module.sub_chunk_size(c) for c in (1, 7, 16, 32, 64, 12, 6)] == [
-        1, 1, 4, 4, 4, 4, 3]
+    """Issue 27: the sub-chunk was the largest divisor of C up to 4, so C = 31, 37 or 25
+    (or n = 31 tokens with the default C = 32) fell to sub-chunks of one token: 9x the
+    time and 5x the memory. The chunk is now rounded up to a multiple of c = 4."""
+    sizes = [recurrent_module.channel_chunk_sizes(c) for c in (1, 3, 4, 5, 7, 16, 25, 31, 37)]
+    assert sizes == [(1, 1), (3, 3), (4, 4), (8, 4), (8, 4), (16, 4), (28, 4), (32, 4), (40, 4)]
+    assert [recurrent_module.sub_chunk_size(c) for c in (1, 3, 7, 16, 31, 32, 37)] == [
+        1, 3, 4, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("chunk_size, n", [(31, 70), (37, 80), (25, 60), (5, 13), (32, 31)])
+def test_per_channel_chunk_without_a_small_divisor_is_exact_and_cheap(chunk_size, n):
+    longer = -(-n // 4) * 4  # n rounded up to a multiple of 4
+    q, k, v, state, g = make_inputs(n=longer)
+    log_decay = log_decays((2, 3, longer, 6), "mixed", g)
+    inputs = [x[..., :n, :].contiguous() for x in (q, k, v, log_decay)]
+    expected, expected_state = gated_loop(*inputs, state)
+    out, final = ea.gated_linear_attention(*inputs, chunk_size=chunk_size,
+                                           initial_state=state, return_state=True)
+    torch.testing.assert_close(out, expected, **GATED_TOL)
+    torch.testing.assert_close(final, expected_state, **GATED_TOL)
+    # memory: that of a longer sequence with a chunk that 4 divides, plus one padded copy
+    # of the inputs (before: 1.9x to 7x that bound, from 3 x 3 x d_k weights per token)
+    peak = ea.peak_tensor_memory(ea.gated_linear_attention, *inputs, chunk_size=chunk_size)
+    bound = ea.peak_tensor_memory(ea.gated_linear_attention, q, k, v, log_decay,
+                                  chunk_size=-(-chunk_size // 4) * 4)
+    padded_copy = sum(x.numel() * x.element_size() for x in (q, k, v, log_decay))
+    assert peak <= 1.1 * bound + padded_copy
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

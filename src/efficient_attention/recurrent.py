@@ -35,7 +35,9 @@ chunking): between sub-chunks the exponent splits at ``e``, the start of the que
 sub-chunk, into ``sum_{e <= s <= i}`` (query side) and ``sum_{j < s < e}`` (key side),
 both ``<= 0``; inside a sub-chunk the ``c x c x d_k`` weights are formed explicitly. This
 costs ``O(n d_k (C / c + c))`` extra memory and elementwise work, with ``c = 4``
-(measured fastest); per-channel decay is several times slower than one decay per token
+(measured fastest; ``C`` is rounded up to a multiple of ``c``, and a shorter sequence
+padded to one, with tokens that change nothing: zero key, value and log decay).
+Per-channel decay is several times slower than one decay per token
 (``benchmarks/recurrent_speed.py``). The relative error of a weight is then about
 ``eps |E|``, the conditioning of ``exp`` itself: working precision even across decays of
 ``-1e4`` (a reset of the state).
@@ -111,7 +113,9 @@ def gated_linear_attention(
             ``k``) for one decay per token, or ``(..., n, d_k)`` (as many dimensions as
             ``k``) for one per key channel. Same dtype as ``q``.
         chunk_size: tokens per chunk of the chunkwise form (default 64 with one decay
-            per token, 32 per channel); the other forms ignore it.
+            per token, 32 per channel); per channel it is rounded up to a multiple of the
+            sub-chunk ``c = 4`` (31 -> 32; padded tokens change nothing). The other forms
+            ignore it.
         initial_state: ``S_0`` ``(..., d_k, d_v)`` or None (zeros).
         return_state: also return the final state ``S_n`` ``(..., d_k, d_v)``.
         form: ``"chunkwise"``, ``"recurrent"`` or ``"parallel"`` (see the module).
@@ -224,14 +228,26 @@ def _parallel(q, k, v, log_decay, state):
     return out, final
 
 
+def channel_chunk_sizes(chunk: int) -> tuple[int, int]:
+    """Chunk and sub-chunk ``(C', c)`` of the per-channel form asked for chunks of ``C``.
+
+    ``c = min(C, SUB_CHUNK_SIZE)`` and ``C' = c ceil(C / c)``: ``C`` rounded up to a
+    multiple of ``c`` (31 -> 32, 37 -> 40), so that no chunk length falls back to
+    sub-chunks of one token (9x the time and 5x the memory for ``C = 31``).
+    """
+    sub = min(chunk, SUB_CHUNK_SIZE)
+    return -(-chunk // sub) * sub, sub
+
+
 def sub_chunk_size(chunk: int) -> int:
-    """Sub-chunk ``c`` of the per-channel form: the largest divisor of ``C`` that is at
-    most ``SUB_CHUNK_SIZE``."""
-    return max(c for c in range(1, min(chunk, SUB_CHUNK_SIZE) + 1) if chunk % c == 0)
+    """Sub-chunk ``c`` of the per-channel form for chunks of ``C``: ``min(C, 4)``."""
+    return channel_chunk_sizes(chunk)[1]
 
 
 def _chunkwise(q, k, v, log_decay, state, chunk):
     """Chunks of ``C`` tokens, a block of rows at a time, the state carried along."""
+    if log_decay.shape[-1] > 1:  # per channel: a multiple of the sub-chunk
+        chunk = channel_chunk_sizes(chunk)[0]
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     outputs = []
@@ -244,7 +260,9 @@ def _chunkwise(q, k, v, log_decay, state, chunk):
 def _chunk_block(q, k, v, log_decay, state, chunk):
     """``(B, n, .)`` -> ``(B, n, d_v)`` and the final state, starting from ``state``."""
     batch, n, d_k = q.shape
-    d_v, size = v.shape[-1], min(chunk, n)
+    d_v, size, per_channel = v.shape[-1], min(chunk, n), log_decay.shape[-1] > 1
+    if per_channel:  # a short sequence too: padded to a multiple of the sub-chunk
+        size, sub = channel_chunk_sizes(size)
     pad = (-n) % size
     q, k, v, log_decay = (pad_tokens(x, pad) for x in (q, k, v, log_decay))
     chunks = (n + pad) // size
@@ -252,10 +270,10 @@ def _chunk_block(q, k, v, log_decay, state, chunk):
     k_c = k.reshape(batch, chunks, size, d_k)
     v_c = v.reshape(batch, chunks, size, d_v)
     x = log_decay.reshape(batch, chunks, size, -1)  # (B, N, C, g)
-    if x.shape[-1] == 1:
-        out = _scalar_in_chunk(q_c, k_c, v_c, x)
+    if per_channel:
+        out = _per_channel_in_chunk(q_c, k_c, v_c, x, sub)
     else:
-        out = _per_channel_in_chunk(q_c, k_c, v_c, x, sub_chunk_size(size))
+        out = _scalar_in_chunk(q_c, k_c, v_c, x)
     # Between chunks: S_c = exp(sum_chunk x) S_{c-1} + sum_j exp(sum_{s > j} x_s) k_j v_j^T.
     updates = (k_c * suffix_sums(x).exp()).transpose(-2, -1) @ v_c  # (B, N, d_k, d_v)
     cumulative = x.cumsum(dim=2)  # (B, N, C, g): from the chunk's start to i, inclusive
