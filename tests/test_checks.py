@@ -245,3 +245,36 @@ def test_fmm_module_registers_its_feature_maps():
     copy.load_state_dict(module.state_dict())  # it is saved and restored
     assert copy.feature_maps[0].a.item() == 0.25
     assert "elu_feature_map" in repr(module)
+
+
+# --- issue 27: helpers for clear errors ---------------------------------------------------
+
+
+def test_check_tensor_states_the_expected_shape():
+    with pytest.raises(TypeError, match=r"beta must be a torch.Tensor of shape \(\.\.\., n\), "
+                                        r"got NoneType"):
+        _checks.check_tensor(None, "beta", shape="(..., n)")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        _checks.check_tensor([1.0], "x")
+
+
+def test_check_module_input_names_both_dtypes_and_the_fix():
+    module = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    assert _checks.check_module_input(x, "x", module) is x
+    with pytest.raises(TypeError, match=r"x must have the dtype of the module's parameters "
+                                        r"\(torch.float32\), got torch.float64: convert the "
+                                        r"inputs \(.to\(torch.float32\)\) or the module "
+                                        r"\(.to\(torch.float64\)\)"):
+        _checks.check_module_input(x.double(), "x", module)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: not an error
+        _checks.check_module_input(x.bfloat16(), "x", module)
+    assert _checks.check_module_input(x.double(), "x", nn.ReLU()) is not None  # no parameter
+
+
+def test_check_representable():
+    assert _checks.check_representable(-1e30, "b", torch.float32) == -1e30
+    for bad in (-1e39, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"b must be finite and within the range of "
+                                             r"torch.float32 \(\|x\| <= 3.4e\+38\)"):
+            _checks.check_representable(bad, "b", torch.float32)

@@ -181,3 +181,20 @@ def test_model_bad_input():
         ea.train_model("model", ea.CopyTask(), 1, progress=False)
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
         ea.train_model(model, ea.CopyTask(), 0, progress=False)
+
+
+def test_model_padding_mask_is_checked_before_use():
+    """Issue 27: a list as key_padding_mask failed with "'list' object has no attribute
+    'shape'" inside the attention layer."""
+    model = ea.TinyTransformer(10, d_model=16, num_heads=2, max_len=8)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool torch.Tensor, got list"):
+        model(tokens, key_padding_mask=[[False] * 4] * 2)
+    with pytest.raises(TypeError, match="key_padding_mask must have dtype torch.bool"):
+        model(tokens, key_padding_mask=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be broadcastable to the "
+                                         r"keys' \(2, 4\).*\(2, 5\)"):
+        model(tokens, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    pad = torch.tensor([[False, False, False, True], [False, False, False, False]])
+    torch.testing.assert_close(model(tokens, key_padding_mask=pad[1:]),  # (1, n) broadcasts
+                               model(tokens, key_padding_mask=pad[1:].expand(2, 4)))

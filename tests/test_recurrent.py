@@ -582,3 +582,85 @@ def test_forms_run_on_cuda_and_match_the_cpu():
     out = ea.delta_rule_attention(cuda[0], cuda[6], cuda[2], cuda[5], initial_state=cuda[3])
     torch.testing.assert_close(out.cpu(), delta_loop(q, k_unit, v, beta, None, state)[0],
                                **DELTA_TOL)
+
+
+# --- issue 27: clear errors --------------------------------------------------------------------
+
+def test_a_missing_beta_is_a_clear_error():
+    """delta_rule_attention(q, k, v, None) failed in zeros_like, delta_rule_step with
+    beta_t=None with "'NoneType' object has no attribute 'to'"."""
+    q, k, v, state, _ = make_inputs(n=5)
+    with pytest.raises(TypeError, match=r"beta must be a torch.Tensor of shape \(\.\.\., n\).*"
+                                        r"got NoneType"):
+        ea.delta_rule_attention(q, k, v, None)
+    with pytest.raises(TypeError, match=r"beta_t must be a torch.Tensor of shape \(\.\.\.\).*"
+                                        r"got NoneType"):
+        ea.delta_rule_step(q[..., 0, :], k[..., 0, :], v[..., 0, :], None, state)
+    with pytest.raises(TypeError, match=r"log_decay must be a torch.Tensor of shape"):
+        ea.gated_linear_attention(q, k, v, None)
+    with pytest.raises(TypeError, match=r"log_decay_t must be a torch.Tensor.*got list"):
+        ea.gated_linear_attention_step(q[..., 0, :], k[..., 0, :], v[..., 0, :], [0.0])
+
+
+def test_step_errors_speak_of_one_token():
+    """A step has no n: its errors named "n" and "k.shape", not the k_t it was given."""
+    q, k, v, state, _ = make_inputs(n=5)
+    q_t, k_t, v_t = q[..., 0, :], k[..., 0, :], v[..., 0, :]
+    calls = {
+        "log_decay_t": lambda: ea.gated_linear_attention_step(
+            q_t, k_t, v_t, torch.zeros(2, 3, 4, dtype=F64)),
+        "beta_t": lambda: ea.delta_rule_step(q_t, k_t, v_t, torch.zeros(2, 3, 4, dtype=F64)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(f"{name} must have shape (...)")
+        assert "k_t.shape=(2, 3, 6)" in message and "got shape (2, 3, 4)" in message
+        assert " n " not in message and "(..., n" not in message and "k.shape" not in message
+    with pytest.raises(TypeError, match=r"log_decay_t must have the dtype of q_t, k_t and v_t"):
+        ea.gated_linear_attention_step(q_t, k_t, v_t, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("module", [ea.GatedLinearAttention(4),
+                                    ea.GatedLinearAttention(4, per_channel=True),
+                                    ea.DeltaRuleAttention(4, gated=True)])
+def test_inputs_in_another_dtype_than_the_module_are_a_clear_error(module):
+    """float64 inputs to a float32 module failed in the gate's matmul ("mat1 and mat2 must
+    have the same dtype")."""
+    q, k, v = (torch.randn(2, 5, 4, dtype=F64) for _ in "qkv")
+    with pytest.raises(TypeError, match=r"q, k and v must have the dtype of the module's "
+                                        r"parameters \(torch.float32\), got torch.float64"):
+        module(q, k, v, causal=True)
+    out = module.double()(q, k, v, causal=True)  # what the message proposes
+    assert out.dtype == F64
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool torch.Tensor, got list"):
+        module(q, k, v, causal=True, key_padding_mask=[[False] * 5] * 2)
+
+
+@pytest.mark.parametrize("initial_decay, temperature", [(1e-30, 16.0), (0.5, 2000.0),
+                                                        (0.99, 1e5), (1 - 1e-12, 1e-3)])
+def test_initial_decay_gates_that_underflow_are_computed_in_log_space(initial_decay,
+                                                                      temperature):
+    """initial_decay ** temperature underflowed to 0 and the gate's logit raised "math
+    domain error" (or, near 1, lost its digits: 8e-4 relative error for 1 - 1e-12); the
+    logit is now computed from log(initial_decay)."""
+    expected = torch.full((3, 1), math.log(initial_decay), dtype=F64)
+    gate = torch.nn.Linear(4, 1, dtype=F64)  # a float64 bias: the formula to 1e-12
+    recurrence.init_decay_gate(gate, initial_decay, temperature)
+    log_decay = torch.nn.functional.logsigmoid(gate(torch.randn(3, 4, dtype=F64)))
+    torch.testing.assert_close(log_decay / temperature, expected, rtol=1e-12, atol=0.0)
+    for module in (ea.GatedLinearAttention(4, initial_decay=initial_decay,
+                                           temperature=temperature),
+                   ea.DeltaRuleAttention(4, gated=True, initial_decay=initial_decay,
+                                         temperature=temperature)):
+        # the modules' float32 bias b is rounded: relative error max(1, |b|) 2^-24 <= 2e-6
+        log_decay = torch.nn.functional.logsigmoid(module.decay.double()(torch.randn(3, 4,
+                                                                                  dtype=F64)))
+        torch.testing.assert_close(log_decay / temperature, expected, rtol=4e-6, atol=0.0)
+
+
+def test_an_initial_decay_gate_beyond_float32_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"initial_decay=1e-300 and temperature=1e\+300.*"
+                                         r"float32"):
+        ea.GatedLinearAttention(4, initial_decay=1e-300, temperature=1e300)

@@ -11,7 +11,8 @@ gets the same answer everywhere:
 - flags are real ``bool`` values (``"yes"``, ``1`` or ``None`` are rejected);
 - sizes are ``int`` (never ``bool``), counts ``>= 0`` or ``>= 1`` as stated;
 - real parameters are finite numbers in the stated range;
-- masks are bool tensors broadcastable to ``(..., n_k)``.
+- masks are bool tensors broadcastable to ``(..., n_k)``;
+- a module's inputs have the dtype and device of its parameters (outside autocast).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ __all__ = [
     "check_causal_lengths",
     "check_key_padding_mask",
     "check_generator",
+    "check_module_input",
+    "check_representable",
 ]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -61,16 +64,19 @@ def check_tensor(
     *,
     min_dim: int = 1,
     floating: bool = True,
+    shape: str | None = None,
 ) -> torch.Tensor:
     """Return ``x`` if it is a tensor with at least ``min_dim`` dimensions.
 
-    Raises ``TypeError`` for a non-tensor, and, when ``floating``, for any dtype that is
-    not real floating point (integer, bool and complex tensors are rejected: the
-    formulas of this package are for real numbers); ``ValueError`` for too few
-    dimensions.
+    Raises ``TypeError`` for a non-tensor (``None`` included; the message states
+    ``shape``, the expected shape in words, when given), and, when ``floating``, for any
+    dtype that is not real floating point (integer, bool and complex tensors are
+    rejected: the formulas of this package are for real numbers); ``ValueError`` for too
+    few dimensions.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        expected = "a torch.Tensor" + ("" if shape is None else f" of shape {shape}")
+        raise TypeError(f"{name} must be {expected}, got {type(x).__name__}")
     if floating and not x.is_floating_point():
         raise TypeError(
             f"{name} must be a real floating-point tensor (float16, bfloat16, float32 or "
@@ -248,3 +254,38 @@ def check_generator(generator: object) -> torch.Generator | None:
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"
         )
     return generator
+
+
+def check_module_input(x: torch.Tensor, name: str, module: torch.nn.Module) -> torch.Tensor:
+    """Return ``x`` if it has the dtype and device of ``module``'s parameters.
+
+    ``TypeError`` for another dtype (e.g. float64 inputs to a float32 module, which torch
+    reports as a matmul error deep inside), except under ``torch.autocast``, which casts;
+    ``ValueError`` for another device. A module without parameters takes anything.
+    """
+    parameter = next(module.parameters(), None)
+    if parameter is None:
+        return x
+    if x.dtype != parameter.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name} must have the dtype of the module's parameters ({parameter.dtype}), "
+            f"got {x.dtype}: convert the inputs (.to({parameter.dtype})) or the module "
+            f"(.to({x.dtype}))"
+        )
+    if x.device != parameter.device:
+        raise ValueError(
+            f"{name} must be on the device of the module's parameters ({parameter.device}), "
+            f"got {x.device}: move the inputs or the module (.to(device))"
+        )
+    return x
+
+
+def check_representable(value: float, name: str, dtype: torch.dtype) -> float:
+    """Return ``value`` if it is finite and within the range of the floating ``dtype``."""
+    limit = torch.finfo(dtype).max
+    if not (math.isfinite(value) and abs(value) <= limit):
+        raise ValueError(
+            f"{name} must be finite and within the range of {dtype} (|x| <= {limit:.3g}), "
+            f"got {value:.6g}"
+        )
+    return value

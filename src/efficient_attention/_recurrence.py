@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from ._checks import (
     check_bool,
+    check_module_input,
     check_positive_int,
     check_qkv,
+    check_representable,
     check_tensor,
     compute_dtype,
 )
@@ -60,46 +62,49 @@ def check_gate(
     With ``sequence`` (``k`` is ``(..., n, d_k)``): a tensor of ``k.dim() - 1``
     dimensions ``(..., n)`` holds one value per token; when ``per_channel_ok``, one of
     ``k.dim()`` dimensions ``(..., n, d_k)`` one per key channel. Without ``sequence``
-    (``k`` is one token ``(..., d_k)``) the same shapes lack the ``n``. The dtype and
-    device must be those of ``k``; values must be finite, and ``<= 0`` when
-    ``nonpositive`` (a log decay: ``exp(x)`` in ``(0, 1]``).
+    (``k_t`` is one token ``(..., d_k)``) the same shapes lack the ``n``, and the messages
+    speak of ``k_t``. The dtype and device must be those of ``k``; values must be finite,
+    and ``<= 0`` when ``nonpositive`` (a log decay: ``exp(x)`` in ``(0, 1]``).
     """
-    x = check_tensor(x, name, min_dim=0)
+    keys, sizes = ("k", "n and d_k those") if sequence else ("k_t", "d_k that")
+    single, channel = ("(..., n)", "(..., n, d_k)") if sequence else ("(...)", "(..., d_k)")
+    shapes = single + (f" or {channel}" if per_channel_ok else "")
+    x = check_tensor(x, name, min_dim=0, shape=shapes)
+    wanted = f"{single} (one value per token: one dimension fewer than {keys})"
+    if per_channel_ok:
+        wanted += f" or {channel} (one per key channel: as many dimensions as {keys})"
     per_channel = per_channel_ok and x.dim() == k.dim()
     token = tuple(k.shape[-2:-1]) if sequence else ()  # (n,) or ()
     expected = token + ((k.shape[-1],) if per_channel else ())
     if not (per_channel or x.dim() == k.dim() - 1) or tuple(
         x.shape[x.dim() - len(expected):]
     ) != expected:
-        shapes = "(..., n)" if sequence else "(...)"
-        wanted = f"{shapes} (one value per token: one dimension fewer than k)"
-        if per_channel_ok:
-            channel = "(..., n, d_k)" if sequence else "(..., d_k)"
-            wanted += f" or {channel} (one per key channel: as many dimensions as k)"
         raise ValueError(
-            f"{name} must have shape {wanted}, with n and d_k those of k.shape="
+            f"{name} must have shape {wanted}, with {sizes} of {keys}.shape="
             f"{tuple(k.shape)} and size-1 leading dimensions to broadcast; got shape "
             f"{tuple(x.shape)}"
         )
     if x.dtype != k.dtype:
-        raise TypeError(f"{name} must have the dtype of q, k and v ({k.dtype}), got {x.dtype}")
+        inputs = "q, k and v" if sequence else "q_t, k_t and v_t"
+        raise TypeError(f"{name} must have the dtype of {inputs} ({k.dtype}), got {x.dtype}")
     if x.device != k.device:
-        raise ValueError(f"{name} must be on the device of k ({k.device}), got {x.device}")
+        raise ValueError(f"{name} must be on the device of {keys} ({k.device}), got {x.device}")
     values = x.detach()
     if values.numel():
         low, high = torch.aminmax(values)  # one pass; NaN makes both NaN
         if not (low > -math.inf and (high <= 0 if nonpositive else high < math.inf)):
             bad = ~torch.isfinite(values) | (values > 0 if nonpositive else False)
-            wanted = ("finite and <= 0 (a decay exp(log_decay) in (0, 1])" if nonpositive
+            wanted = (f"finite and <= 0 (a decay exp({name}) in (0, 1])" if nonpositive
                       else "finite")
             raise ValueError(f"{name} must be {wanted}, got {values[bad][0].item()}")
     return x, per_channel
 
 
 def check_state(
-    state: object, name: str, d_k: int, d_v: int, like: torch.Tensor
+    state: object, name: str, d_k: int, d_v: int, like: torch.Tensor, keys: str = "k"
 ) -> torch.Tensor | None:
-    """A state ``(..., d_k, d_v)`` in the dtype of ``like`` or its compute dtype, or None."""
+    """A state ``(..., d_k, d_v)`` in the dtype of ``like`` (the keys, called ``keys`` in
+    messages) or its compute dtype, or None."""
     if state is None:
         return None
     state = check_tensor(state, name, min_dim=2)
@@ -113,7 +118,8 @@ def check_state(
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, allowed))}, got "
                         f"{state.dtype}")
     if state.device != like.device:
-        raise ValueError(f"{name} must be on the device of k ({like.device}), got {state.device}")
+        raise ValueError(f"{name} must be on the device of {keys} ({like.device}), got "
+                         f"{state.device}")
     return state
 
 
@@ -159,11 +165,13 @@ def prepare_sequence(
     initial_state: object,
     *,
     beta: object = None,
+    with_beta: bool = False,
     per_channel_ok: bool = True,
 ) -> Sequence:
     """Validate and flatten the inputs of a recurrence over ``n`` tokens.
 
-    ``log_decay`` may be None (no decay) only for the delta rule (``beta`` given).
+    ``with_beta`` (the delta rule): ``beta`` is required, and ``log_decay`` may be None
+    (no decay).
     """
     q, k, v = check_qkv(q, k, v)
     if q.shape[-2] != k.shape[-2]:
@@ -173,12 +181,12 @@ def prepare_sequence(
         )
     per_channel = False
     shapes = {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]}
-    if log_decay is not None:
+    if log_decay is not None or not with_beta:
         log_decay, per_channel = check_gate(
             log_decay, "log_decay", k, per_channel_ok=per_channel_ok, nonpositive=True
         )
         shapes["log_decay"] = log_decay.shape[: log_decay.dim() - 1 - per_channel]
-    if beta is not None:
+    if with_beta:
         beta, _ = check_gate(beta, "beta", k, per_channel_ok=False, nonpositive=False)
         shapes["beta"] = beta.shape[:-1]
     d_k, d_v = k.shape[-1], v.shape[-1]
@@ -218,7 +226,7 @@ def prepare_step(
     if not (q_t.device == k_t.device == v_t.device):
         raise ValueError(f"q_t, k_t and v_t must be on one device, got {q_t.device}, "
                          f"{k_t.device} and {v_t.device}")
-    state = check_state(state, "state", k_t.shape[-1], v_t.shape[-1], k_t)
+    state = check_state(state, "state", k_t.shape[-1], v_t.shape[-1], k_t, keys="k_t")
     return q_t, k_t, v_t, state
 
 
@@ -261,15 +269,26 @@ def pad_tokens(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
 
 def init_decay_gate(decay: torch.nn.Linear, initial_decay: float, temperature: float) -> None:
     """Start a gate ``log a = logsigmoid(x W^T + b) / tau`` at ``a = initial_decay`` for every
-    input: ``W = 0`` and ``sigmoid(b) = initial_decay^tau``."""
+    input: ``W = 0`` and ``sigmoid(b) = initial_decay^tau``.
+
+    In log space, ``b = L - log(-expm1(L))`` with ``L = tau log(initial_decay) < 0``:
+    ``initial_decay^tau`` itself underflows to 0 (``0.99^1e5``, ``1e-30^16``) or rounds
+    to 1, where ``log(g / (1 - g))`` fails or loses every digit. ``ValueError`` when ``b``
+    is beyond the range of the bias's dtype.
+    """
     torch.nn.init.zeros_(decay.weight)
-    gate = initial_decay**temperature
-    torch.nn.init.constant_(decay.bias, math.log(gate / (1.0 - gate)))
+    log_gate = temperature * math.log(initial_decay)  # log(initial_decay^tau), < 0
+    bias = log_gate - math.log(-math.expm1(log_gate)) if log_gate > -math.inf else log_gate
+    name = (f"the decay gate's bias logit(initial_decay ** temperature) for "
+            f"initial_decay={initial_decay!r} and temperature={temperature!r}")
+    torch.nn.init.constant_(decay.bias, check_representable(bias, name, decay.bias.dtype))
 
 
-def check_causal_inputs(q: object, k: object, v: object, causal: object, dim_head: int,
-                        name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v of a recurrent attention module: causal only, feature size ``dim_head``."""
+def check_causal_inputs(q: object, k: object, v: object, causal: object,
+                        module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of a recurrent attention module: causal only, feature size
+    ``module.dim_head``, the dtype and device of the module's parameters."""
+    dim_head, name = module.dim_head, type(module).__name__
     if not check_bool(causal, "causal"):
         raise ValueError(
             f"{name} is a causal recurrence (each output reads a state built from the past): "
@@ -280,6 +299,7 @@ def check_causal_inputs(q: object, k: object, v: object, causal: object, dim_hea
     if k.shape[-1] != dim_head:
         raise ValueError(f"q and k must have d = dim_head = {dim_head}, got k.shape="
                          f"{tuple(k.shape)}")
+    check_module_input(k, "q, k and v", module)
     return q, k, v
 
 

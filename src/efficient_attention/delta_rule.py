@@ -115,7 +115,8 @@ def delta_rule_attention(
     form = check_form(form, FORMS)
     chunk = check_chunk_size(chunk_size, DEFAULT_CHUNK_SIZE)
     return_state = check_bool(return_state, "return_state")
-    seq = prepare_sequence(q, k, v, log_decay, initial_state, beta=beta, per_channel_ok=False)
+    seq = prepare_sequence(q, k, v, log_decay, initial_state, beta=beta, with_beta=True,
+                           per_channel_ok=False)
     n = seq.q.shape[1]
     if n == 0 or seq.q.shape[0] == 0:
         out, state = empty_result(seq, q, n)
@@ -147,7 +148,7 @@ def delta_rule_step(
     q_t, k_t, v_t, state = prepare_step(q_t, k_t, v_t, state)
     gates = {"beta_t": beta_t, "log_decay_t": log_decay_t}
     for name, gate in gates.items():
-        if gate is not None:
+        if gate is not None or name == "beta_t":  # beta_t is required
             gates[name], _ = check_gate(gate, name, k_t, per_channel_ok=False,
                                         nonpositive=name == "log_decay_t", sequence=False)
     batch = step_batch(q_t=(q_t, 1), k_t=(k_t, 1), v_t=(v_t, 1), state=(state, 2),
@@ -284,7 +285,7 @@ class DeltaRuleAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = check_causal_inputs(q, k, v, causal, self.dim_head, type(self).__name__)
+        q, k, v = check_causal_inputs(q, k, v, causal, self)
         mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
         k, v = zero_padded_rows(k, mask), zero_padded_rows(v, mask)
         beta = torch.sigmoid(self.beta(k)).squeeze(-1)  # (..., n)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_bool, check_generator, check_positive_int
+from ._checks import check_bool, check_generator, check_key_padding_mask, check_positive_int
 from .attention import MultiHeadAttention, softmax_attention
 from .delta_rule import DeltaRuleAttention
 from .embeddings import sinusoidal_positional_encoding
@@ -166,7 +166,8 @@ class TinyTransformer(nn.Module):
         causal: decoder mode (position ``i`` sees ``j <= i``) instead of encoder mode.
         attention_options: passed to :func:`make_attention`.
 
-    ``forward(tokens (B, n), key_padding_mask=None) -> logits (B, n, vocab_size)``.
+    ``forward(tokens (B, n), key_padding_mask=None) -> logits (B, n, vocab_size)``; the
+    mask is bool, broadcastable to ``(B, n)``, ``True`` at padding tokens.
     Cost per layer: ``O(n d_model^2)`` for projections and MLP plus the attention's.
     """
 
@@ -225,6 +226,8 @@ class TinyTransformer(nn.Module):
         if n > self.positions.shape[0]:
             max_len = self.positions.shape[0]
             raise ValueError(f"tokens has length n={n}, more than max_len={max_len}")
+        key_padding_mask = check_key_padding_mask(key_padding_mask, (*tokens.shape, 1),
+                                                  tokens.device)  # (B, n) or None
         x = self.token_embedding(tokens) + self.positions[:n].to(self.token_embedding.weight.dtype)
         for block in self.blocks:
             x = block(x, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, n, d)

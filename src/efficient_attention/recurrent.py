@@ -382,7 +382,7 @@ class GatedLinearAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = check_causal_inputs(q, k, v, causal, self.dim_head, type(self).__name__)
+        q, k, v = check_causal_inputs(q, k, v, causal, self)
         mask = check_key_padding_mask(key_padding_mask, k.shape, k.device)
         k, v = zero_padded_rows(k, mask), zero_padded_rows(v, mask)
         log_decay = self.log_decay(k)
