@@ -25,7 +25,8 @@ API:
 - ``output_folder(quick, out)``: the folder to write to: ``out`` if given, else
   ``RESULTS_DIR`` for a full run and a fresh temporary folder for a quick one.
 - ``load_average()``: ``os.getloadavg()`` (1, 5, 15 minutes) rounded, or ``None``.
-- ``machine_info()``: versions, processor, cores, threads, CUDA, OpenMP wait policy.
+- ``machine_info()``: versions, processor, cores, CUDA, and the thread settings of
+  ``_timing.thread_settings()`` (torch threads, ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``).
 - ``run_conditions(end=False)``: ``machine_info()`` plus start time and load average
   (``load_average_start``); with ``end=True`` only ``finished`` and ``load_average_end``.
 - ``pyplot()``: matplotlib's ``pyplot`` on the non-interactive Agg backend.
@@ -48,10 +49,15 @@ import datetime
 import json
 import os
 import platform
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests): the
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling _timing must import
+from _timing import thread_settings  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -103,7 +109,8 @@ def load_average() -> list[float] | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """Versions, processor, cores, torch threads, CUDA and the OpenMP wait policy."""
+    """Versions, processor, cores, CUDA, and the threads the times were taken with (torch's
+    count, ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``: ``_timing.thread_settings()``)."""
     import torch
 
     info: dict[str, Any] = {
@@ -112,9 +119,8 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        **thread_settings(),
     }
     if info["cuda"]:
         info["device"] = torch.cuda.get_device_name()

@@ -48,12 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 
+from _timing import prefer_passive_wait_policy  # benchmarks/ is on sys.path
+
 # Before torch starts its thread pool: on a shared machine, spin-waiting OpenMP threads
-# stall every small parallel region (see benchmarks/README.md, attention speed).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# stall every small parallel region (see _timing.py).
+prefer_passive_wait_policy()
 
 import torch  # noqa: E402
 from _results import (  # noqa: E402  (benchmarks/ is on sys.path)

@@ -27,7 +27,7 @@ gets), not with what users run.
 
 Time: median over several calls after one warm-up call, every (workload, method) of one n
 taking turns (round robin), so that ratios compare calls made under the same load: a ratio
-is the median over rounds of the ratio of the two calls of one round.
+is the median over rounds of the ratio of the two calls of one round (``_timing.py``).
 Memory: for each n a fresh subprocess warms every method up on a tiny input, allocates
 the inputs, and then for each workload and method in turn releases freed memory to the
 OS, resets the kernel's peak-RSS mark, runs it once and reads the peak resident set size
@@ -44,16 +44,22 @@ import ctypes
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peers, _results, also by path
+from _timing import (  # noqa: E402
+    Timing,
+    paired_ratio,
+    prefer_passive_wait_policy,
+    time_in_turns,
+)
+
 # Threads that sleep while waiting (instead of spinning) keep a shared, oversubscribed
 # machine from turning every parallel region into a wait for a descheduled thread.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _peers, _results, also by path
+prefer_passive_wait_policy()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -377,7 +383,8 @@ POLICY_RATIOS = ("FAVOR+ / floor", "FAVOR+ causal / FAVOR+")  # reported for eac
 
 
 def time_probe(n: int, repeats: int, names: list[str]) -> None:
-    """Subprocess entry: print the median forward times of ``names`` at ``n`` (taking turns)."""
+    """Subprocess entry: print the forward times of ``names`` at ``n`` (taking turns) and their
+    paired ratios, as ``{"time": ..., "ratios": ...}``."""
     torch.set_num_threads(THREADS)
     methods = {name: method for name, method in available_methods().items() if name in names}
     print(json.dumps(time_methods(methods, n, repeats, set(), modes=("forward",))["forward"]))
@@ -395,45 +402,39 @@ def compare_wait_policies(n: int, repeats: int) -> dict:
     """
     out = {}
     for policy in WAIT_POLICIES:
-        times, error = run_probe(["--time-probe", str(n), str(repeats), *POLICY_METHODS],
+        timed, error = run_probe(["--time-probe", str(n), str(repeats), *POLICY_METHODS],
                                  env={**os.environ, "OMP_WAIT_POLICY": policy})
-        out[policy] = {"error": error} if error else {"time": times, "ratios": ratios(times)}
+        out[policy] = {"error": error} if error else {"time": timed["time"],
+                                                       "ratios": timed["ratios"]}
     return out
 
 
 def time_methods(methods: dict, n: int, repeats: int, slow: set, modes=MODES) -> dict:
-    """Median time of every (workload, method) at ``n``, all of them taking turns.
+    """Time every (workload, method) at ``n``, all of them taking turns (``_timing``).
 
-    Calls slower than 2 s get 3 timed runs; calls slower than 10 s get one more run
-    after the warm-up, and the warm-up counts as a sample (its one-off costs are
-    milliseconds against tens of seconds).
+    Returns ``{workload: {"time": {method: {"median_s", "times_s"} or {"skipped": why}},
+    "ratios": {label: paired ratio}}}``. A (workload, method) whose warm-up took more than
+    ``SLOW_CALL_S`` is added to ``slow``, and not run at the larger n that follow.
     """
     inputs = make_inputs(n, NYSTROM_PKG in methods)
-    rounds: dict[tuple, int] = {}
-    times: dict[tuple, list[float]] = {}
     results: dict[str, dict] = {mode: {} for mode in modes}
+    calls = {}
     for mode, name in tasks(methods, modes):
         reason = ("slower than 60 s at a smaller n" if (mode, name) in slow
                   else skip_reason(name, mode, n))
         if reason:
             results[mode][name] = {"skipped": reason}
-            continue
-        start = time.perf_counter()
-        run_once(mode, methods[name], inputs)  # warm-up
-        warm = time.perf_counter() - start
-        times[mode, name] = [warm] if warm > 10.0 else []
-        rounds[mode, name] = repeats if warm < 2.0 else 3 if warm < 10.0 else 1
-        if warm > SLOW_CALL_S:
+        else:
+            calls[mode, name] = functools.partial(run_once, mode, methods[name], inputs)
+    timings = time_in_turns(calls, repeats)
+    for (mode, name), timing in timings.items():
+        results[mode][name] = timing.summary("s")
+        if timing.warm_up_s > SLOW_CALL_S:
             slow.add((mode, name))
-    for r in range(max(rounds.values(), default=0)):
-        for (mode, name), count in rounds.items():
-            if r < count:
-                start = time.perf_counter()
-                run_once(mode, methods[name], inputs)
-                times[mode, name].append(time.perf_counter() - start)
-    for (mode, name), values in times.items():
-        results[mode][name] = {"median_s": statistics.median(values), "times_s": values}
-    return results
+    return {mode: {"time": results[mode],
+                   "ratios": ratios({name: timing for (m, name), timing in timings.items()
+                                     if m == mode})}
+            for mode in modes}
 
 
 RATIO_PAIRS = {  # label: (numerator, denominator)
@@ -452,20 +453,11 @@ RATIO_PAIRS = {  # label: (numerator, denominator)
 }
 
 
-def ratio(a: dict, b: dict) -> float:
-    """Time of ``a`` over time of ``b``: the median of the ratios of the calls made in the
-    same round (taking turns, so each pair ran under the same load, side by side) when
-    both were timed in every round, else the ratio of the medians."""
-    if len(a["times_s"]) == len(b["times_s"]) > 1:
-        return statistics.median(x / y for x, y in zip(a["times_s"], b["times_s"], strict=True))
-    return a["median_s"] / b["median_s"]
-
-
-def ratios(row: dict) -> dict:
-    """The ratios of ``RATIO_PAIRS`` of one workload at one n (where both were timed)."""
-    timed = {name: entry for name, entry in row.items() if "median_s" in entry}
-    return {label: ratio(timed[a], timed[b]) for label, (a, b) in RATIO_PAIRS.items()
-            if a in timed and b in timed}
+def ratios(timings: dict[str, Timing]) -> dict:
+    """The ratios of ``RATIO_PAIRS`` of one workload at one n (where both were timed): the
+    median over rounds of the ratio of the two calls of one round (``_timing.paired_ratio``)."""
+    return {label: paired_ratio(timings[a], timings[b]) for label, (a, b) in RATIO_PAIRS.items()
+            if a in timings and b in timings}
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -714,11 +706,10 @@ def main() -> None:
     slow: set[tuple] = set()
     for n in sizes:
         print(f"n = {n}: timing ...", flush=True)
-        timed = time_methods(methods, n, repeats, slow)
-        row = {mode: {"time": timed[mode], "ratios": ratios(timed[mode])} for mode in MODES}
+        row = time_methods(methods, n, repeats, slow)
         if not args.no_memory and (not args.quick or n == sizes[-1]):  # quick: largest n
             print(f"n = {n}: memory ...", flush=True)
-            pairs = [(mode, name) for mode in MODES for name, entry in timed[mode].items()
+            pairs = [(mode, name) for mode in MODES for name, entry in row[mode]["time"].items()
                      if "median_s" in entry]
             memory = measure_memory(n, pairs)
             for mode in MODES:

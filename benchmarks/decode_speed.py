@@ -22,8 +22,9 @@ state the same n tokens leave). Methods (keys of the JSON):
     gated     efficient_attention.recurrent.gated_linear_attention_step (one decay per key
               channel, GLA; state 64 x 64); skipped, with the reason, if not importable
 
-Time: median of ``repeats`` calls after a warm-up. All caches and states, of every n, are
-built first, and then every (n, method) takes its turn, call by call, in each round: a burst
+Time: median of ``repeats`` calls after a warm-up (``_timing.time_in_turns``). All caches
+and states, of every n, are built first, and then every (n, method) takes its turn, call by
+call, in each round: a burst
 of load on the shared machine slows a whole round, not one n or one method, so that both
 the ratios between methods and the growth with n compare calls made under the same load
 (and every call finds its cache cold, as a decoding step does after the other layers have
@@ -53,21 +54,17 @@ JSON keys (stable; ``book/kv_cache.ipynb`` reads them; ``<n>`` a length as a str
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see attention_speed.py
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import efficient_attention as ea  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _timing import prefer_passive_wait_policy, time_in_turns  # noqa: E402
+
+prefer_passive_wait_policy()  # before torch starts OpenMP (see _timing.py)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from _results import (  # noqa: E402
     add_output_arguments,
     output_folder,
@@ -75,6 +72,8 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
+
+import efficient_attention as ea  # noqa: E402
 
 THREADS = 2
 BATCH = 1
@@ -190,17 +189,12 @@ def methods_at(n: int, gen: torch.Generator, gated_step) -> tuple[dict, dict]:
 
 
 def time_turns(calls: dict, repeats: int) -> dict:
-    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up."""
-    for fn in calls.values():
-        fn()
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: {"median_ms": statistics.median(values), "times_ms": values}
-            for name, values in times.items()}
+    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up
+    (``_timing.time_in_turns``), as ``{key: {"median_ms", "times_ms"}}``. Every call gets
+    ``repeats`` rounds: a decoding step takes well under a second, and a slow warm-up is a
+    one-off cost of the first call (seen: over 2 s on a busy machine), not the step's."""
+    timed = time_in_turns(calls, repeats, fewer_rounds_when_slow=False)
+    return {key: timing.summary("ms") for key, timing in timed.items()}
 
 
 def markdown(report: dict) -> str:

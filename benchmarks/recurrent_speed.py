@@ -23,11 +23,12 @@ Methods (all causal):
 Two workloads: ``forward`` (one call under ``torch.inference_mode``) and ``train`` (forward
 and backward of a fixed random output gradient, every input with ``requires_grad``). Time:
 median of several calls after a warm-up, every (workload, method) of one n taking turns
-call by call, so that ratios compare calls made under the same load (3 calls for calls over
-2 s, 1 for calls over 10 s). Memory: ``ea.peak_tensor_memory`` of one call (tensors created
-by PyTorch operators, gradients included in ``train``; a fused kernel's internal scratch
-is not seen). A chunk-size sweep at ``SWEEP_N`` times the forward for several chunk sizes:
-the library's defaults were chosen from it.
+call by call, so that ratios (of the medians) compare calls made under the same load (3 calls
+for calls over 2 s, 1 and the warm-up for calls over 10 s: ``_timing.time_in_turns``).
+Memory: ``ea.peak_tensor_memory`` of one call (tensors created by PyTorch operators,
+gradients included in ``train``; a fused kernel's internal scratch is not seen). A
+chunk-size sweep at ``SWEEP_N`` times the forward for several chunk sizes: the library's
+defaults were chosen from it.
 
 Writes ``recurrent_speed.json``, ``.md`` and ``.png`` (``benchmarks/results/`` or ``--out``).
 JSON keys (``<n>`` a length as a string, ``<workload>`` ``forward`` or ``train``)::
@@ -50,14 +51,13 @@ JSON keys (``<n>`` a length as a string, ``<workload>`` ``forward`` or ``train``
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see attention_speed.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import prefer_passive_wait_policy, time_in_turns  # noqa: E402
+
+prefer_passive_wait_policy()  # before torch starts OpenMP (see _timing.py)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -152,22 +152,9 @@ def run_once(method, workload: str, x: dict) -> None:
 
 
 def time_turns(calls: dict, repeats: int) -> dict:
-    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up."""
-    rounds, times = {}, {}
-    for name, fn in calls.items():
-        start = time.perf_counter()
-        fn()
-        warm = time.perf_counter() - start
-        times[name] = [1e3 * warm] if warm > 10.0 else []
-        rounds[name] = repeats if warm < 2.0 else 3 if warm < 10.0 else 1
-    for r in range(max(rounds.values(), default=0)):
-        for name, fn in calls.items():
-            if r < rounds[name]:
-                start = time.perf_counter()
-                fn()
-                times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: {"median_ms": statistics.median(values), "times_ms": values}
-            for name, values in times.items()}
+    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up
+    (``_timing.time_in_turns``), as ``{name: {"median_ms", "times_ms"}}``."""
+    return {name: timing.summary("ms") for name, timing in time_in_turns(calls, repeats).items()}
 
 
 def measure(n: int, repeats: int) -> tuple[dict, dict]:

@@ -45,32 +45,28 @@ is a sequence length written as a string, ``<method>`` one of ``"SDPA"``, ``"til
                      16384 / 8192" (limit 2.5: linear growth gives 2, quadratic 4)
 
 Time: median of several calls (default 5; 3 for calls over 2 s) after a warm-up; at each
-``n`` the methods take turns, call by call, so that ratios compare calls made under the
-same load. Memory: in a fresh subprocess per ``n`` and case, for each method in turn,
-freed memory is returned to the OS, the kernel's peak-RSS mark is reset and the call runs
-once; peak RSS (``VmHWM``) minus the RSS before the call is the peak extra memory (the
-helpers of ``attention_speed.py``).
+``n`` the methods take turns, call by call, so that ratios (of the medians) compare calls
+made under the same load (``_timing.time_in_turns``). Memory: in a fresh subprocess per ``n``
+and case, for each method in turn, freed memory is returned to the OS, the kernel's peak-RSS
+mark is reset and the call runs once; peak RSS (``VmHWM``) minus the RSS before the call is
+the peak extra memory (the helpers of ``attention_speed.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see attention_speed.py
-
-import torch  # noqa: E402
-
-import efficient_attention as ea  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _timing import prefer_passive_wait_policy, time_in_turns  # noqa: E402
+
+prefer_passive_wait_policy()  # before torch starts OpenMP (see _timing.py)
+
+import torch  # noqa: E402
 from _results import (  # noqa: E402
     add_output_arguments,
     output_folder,
@@ -79,6 +75,8 @@ from _results import (  # noqa: E402
     write_results,
 )
 from attention_speed import release_free_memory, status_bytes  # noqa: E402
+
+import efficient_attention as ea  # noqa: E402
 
 THREADS = 2
 HEADS = 8
@@ -139,22 +137,9 @@ def methods_at(n: int) -> dict:
 
 
 def time_turns(calls: dict, repeats: int) -> dict:
-    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up."""
-    rounds, times = {}, {}
-    for name, fn in calls.items():
-        start = time.perf_counter()
-        fn()
-        warm = time.perf_counter() - start
-        rounds[name] = repeats if warm < 2.0 else min(repeats, 3)
-        times[name] = []
-    for r in range(max(rounds.values())):
-        for name, fn in calls.items():
-            if r < rounds[name]:
-                start = time.perf_counter()
-                fn()
-                times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: {"median_ms": statistics.median(values), "times_ms": values}
-            for name, values in times.items()}
+    """Median time (ms) of each zero-argument call, the calls taking turns after a warm-up
+    (``_timing.time_in_turns``), as ``{name: {"median_ms", "times_ms"}}``."""
+    return {name: timing.summary("ms") for name, timing in time_in_turns(calls, repeats).items()}
 
 
 def time_case(n: int, case: str, repeats: int) -> dict:

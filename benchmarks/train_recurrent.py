@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import statistics
 import time
 
+from _timing import fastest, prefer_passive_wait_policy  # benchmarks/ is on sys.path
+
 # Before torch starts its thread pool: on a shared machine, spin-waiting OpenMP threads
-# stall every small parallel region (see benchmarks/README.md, attention speed).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# stall every small parallel region (see _timing.py).
+prefer_passive_wait_policy()
 
 import torch  # noqa: E402
 from _results import (  # noqa: E402  (benchmarks/ is on sys.path)
@@ -76,10 +76,8 @@ def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: leave the model as is
     generator = torch.Generator().manual_seed(54321)
     model.train()
-    best = math.inf
-    for _ in range(repeats):
-        inputs, targets = task(TRAIN["batch_size"], generator=generator)
-        start = time.perf_counter()
+
+    def training_step(inputs, targets) -> None:
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), targets.flatten(), ignore_index=ea.IGNORE_INDEX
@@ -87,8 +85,10 @@ def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
+
+    # a fresh batch per step, drawn outside the timed call
+    return 1000 * fastest(training_step, repeats,
+                          prepare=lambda: task(TRAIN["batch_size"], generator=generator))
 
 
 def window_means(values: list[float], window: int) -> list[float]:
