@@ -18,7 +18,7 @@ def _make_grader():
     import torch as torch_module
     import torch.nn.functional as functional_module
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
         sys.stdout.write(warnings.formatwarning(message, category, filename, lineno, line))
@@ -57,14 +57,31 @@ def _make_grader():
                 if key not in current:
                     raise TamperedError(f"{name}.{key} was deleted after the setup cell")
 
+    Tensor = torch_module.Tensor
+
+    def tensors(tree, found=None):
+        # The tensors in an operator's arguments or results (tensors, and tuples, lists and
+        # dicts of them); much faster than torch.utils._pytree.tree_flatten, which the
+        # measuring modes would otherwise call tens of thousands of times in one test.
+        found = [] if found is None else found
+        if isinstance(tree, Tensor):
+            found.append(tree)
+        elif isinstance(tree, (tuple, list)):
+            for item in tree:
+                if isinstance(item, Tensor):
+                    found.append(item)
+                elif isinstance(item, (tuple, list, dict)):
+                    tensors(item, found)
+        elif isinstance(tree, dict):
+            tensors(tuple(tree.values()), found)
+        return found
+
     def new_storages(args, kwargs, out):
         # (tensor, storage) for each output of an operator that holds new memory: not the
         # storage of an input (views and in-place results are free), not on the meta device.
-        inputs = tree_flatten((args, kwargs))[0]
-        seen = {t.untyped_storage().data_ptr() for t in inputs
-                if isinstance(t, torch_module.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch_module.Tensor) and t.device.type != "meta":
+        seen = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        for t in tensors(out):
+            if t.device.type != "meta":
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in seen:
                     yield t, storage
@@ -115,6 +132,125 @@ def _make_grader():
                 weakref.finalize(t, self._release, key)
             return out
 
+    aten = torch_module.ops.aten
+
+    def elements(tree):
+        # numel of every tensor in a nested structure: the logical size, so an expanded
+        # (broadcast) view counts every element it presents, not its storage
+        return sum(t.numel() for t in tensors(tree))
+
+    # 2 per multiply-add: matrix products (positions of the two factors), matrix-vector and
+    # dot products (position of the matrix or vector); other products (convolutions, fused
+    # attention) by the formulas of torch.utils.flop_counter
+    matrix_products = {aten.mm: (0, 1), aten.bmm: (0, 1), aten.addmm: (1, 2),
+                       aten.baddbmm: (1, 2), aten.addbmm: (1, 2)}
+    vector_products = {aten.mv: 0, aten.addmv: 1, aten.dot: 0, aten.vdot: 0}
+
+    def product_flops(packet, args, kwargs, out):
+        if packet in matrix_products:
+            left, right = matrix_products[packet]
+            return 2 * args[left].numel() * args[right].shape[-1]
+        if packet in vector_products:
+            return 2 * args[vector_products[packet]].numel()
+        if packet in flop_registry:
+            return flop_registry[packet](*args, **kwargs, out_val=out)
+        return 0
+
+    # operators that read only the entries their index picks out of their first input
+    gathers = {aten.index, aten.index_select, aten.gather, aten.take, aten.embedding}
+    # in-place operators that write only the entries their index picks out of their first input
+    scatters = {aten.index_put_, aten._index_put_impl_, aten.index_copy_, aten.index_add_,
+                aten.index_fill_, aten.scatter_, aten.scatter_add_, aten.scatter_reduce_}
+
+    # operators whose tensor argument gives only the dtype, device and perhaps the shape
+    templates = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
+                 aten.new_empty_strided, aten.zeros_like, aten.ones_like, aten.empty_like,
+                 aten.full_like, aten.rand_like, aten.randn_like, aten.randint_like}
+
+    def operator_work(func, args, kwargs, out):
+        # See work(): the counting rule.
+        if func.is_view:
+            return 0
+        packet = func.overloadpacket
+        if packet in templates:
+            return elements(out)
+        if packet in gathers:
+            return elements((args[1:], kwargs)) + 2 * elements(out)
+        if packet in scatters:
+            return 2 * elements((args[1:], kwargs))
+        touched = elements((args, kwargs)) + elements(out)
+        return max(touched, product_flops(packet, args, kwargs, out))
+
+    class _Cost(_Recording):
+        # In one run: the work of every PyTorch operator run inside the block (the rule of
+        # work()), the largest new storage (as _LargestStorage) and the number of operators.
+        # Past a limit (None: none) every further operator raises, so a long run stops early.
+
+        def __init__(self, name="the function", max_work=None, max_operators=None):
+            super().__init__()
+            self.name, self.max_work, self.max_operators = name, max_work, max_operators
+            self.work, self.largest, self.operators = 0, 0, 0
+
+        def check_limits(self):
+            if self.max_work is not None and self.work > self.max_work:
+                raise AssertionError(f"{self.name} did more than {self.max_work} units of work "
+                                     f"(_grader.work says how operators are counted)")
+            if self.max_operators is not None and self.operators > self.max_operators:
+                raise AssertionError(f"{self.name} ran more than {self.max_operators} PyTorch "
+                                     f"operators")
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.operators += 1
+            self.work += operator_work(func, args, kwargs, out)
+            for t, storage in new_storages(args, kwargs, out):
+                self.largest = max(self.largest, storage.nbytes() // t.element_size())
+            self.check_limits()
+            return out
+
+    def work(fn, *args, **kwargs):
+        """(fn(*args, **kwargs), the work of every PyTorch operator run during the call).
+
+        Every operator PyTorch's dispatcher runs (composite functions such as matmul, einsum
+        or reshape arrive as their parts: mm, bmm, views, copies) is counted:
+        - a view (slicing, integer indexing, transpose, expand, Tensor.unfold, a reshape that
+          does not copy, ...): 0, it reads and writes nothing;
+        - a product (mm, bmm, addmm, baddbmm, addbmm: 2 n k m for (n, k) times (k, m); mv,
+          addmv, dot: 2 per multiply-add; convolutions and fused attention kernels: the
+          formulas of torch.utils.flop_counter): its floating-point operations, or the
+          elements it reads and writes (below) if that is more;
+        - an operator that makes a tensor like another (new_zeros, zeros_like, ...): its output;
+        - an operator that picks entries by an index (indexing with a tensor, index_select,
+          gather, take, embedding): its index tensors and twice its output; one that writes
+          entries at an index in place (index_put_, index_copy_, scatter_, ...): twice its
+          index and value tensors;
+        - any other operator: the elements it reads and writes, i.e. the numel of every tensor
+          argument (a broadcast or strided view counts every element it presents) plus the
+          numel of every tensor it returns.
+        So the (n, n) product of an (n, d) and a (d, n) matrix costs 2 n^2 d, a broadcast
+        product and sum over d about as much (n^2 d written, n^2 d read, n^2 written), an
+        n x n mask made with ones and tril 3 n^2, a cumsum along it 2 n^2. Work outside PyTorch
+        operators (Python arithmetic, numpy) is not seen.
+        """
+        with _Cost() as record:
+            result = fn(*args, **kwargs)
+        return result, record.work
+
+    def cost_within(max_work, max_operators, fn, *args, **kwargs):
+        """(fn(*args, **kwargs), its cost) from one run, stopped as soon as it passes a limit.
+
+        The cost has three fields: ``work`` (as work() counts it), ``largest`` (as
+        largest_allocation() measures it) and ``operators`` (the number of PyTorch operators
+        run). AssertionError as soon as the work exceeds max_work or the number of operators
+        exceeds max_operators (None: no limit), and at the end if the function caught it.
+        """
+        with _Cost(getattr(fn, "__name__", "the function"), max_work, max_operators) as record:
+            result = fn(*args, **kwargs)
+        record.check_limits()
+        return result, types.SimpleNamespace(work=record.work, largest=record.largest,
+                                             operators=record.operators)
+
     def largest_allocation(fn, *args, **kwargs):
         """(fn(*args, **kwargs), elements of the largest tensor storage created during the call)."""
         with _LargestStorage() as record:
@@ -162,6 +298,8 @@ def _make_grader():
         check=check,
         largest_allocation=largest_allocation,
         peak_bytes=peak_bytes,
+        work=work,
+        cost_within=cost_within,
         seed=seed,
         generator=generator,
         TamperedError=TamperedError,

@@ -38,15 +38,96 @@ def test_grader_tools_and_measurements_do_not_import_dynamo():
         tracemalloc.start()
         _, largest = _grader.largest_allocation(torch.ones, 3, 4)
         _, peak = _grader.peak_bytes(torch.ones, 5, 4)
+        _, work = _grader.work(torch.ones, 3, 4)
+        _, cost = _grader.cost_within(None, None, torch.ones, 3, 4)
         host_peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        print("largest:", largest, "peak:", peak, "host peak under 1 MB:", host_peak < 2**20,
+        print("largest:", largest, "peak:", peak, "work:", work, cost.work, cost.largest,
+              "host peak under 1 MB:", host_peak < 2**20,
               "dynamo after the measurements:", "torch._dynamo" in sys.modules)
     """)
     assert done.returncode == 0, done.stderr
     assert "dynamo after the cell: False" in done.stdout, done.stdout
-    assert ("largest: 12 peak: 80 host peak under 1 MB: True dynamo after the measurements: "
-            "False") in done.stdout, done.stdout
+    assert ("largest: 12 peak: 80 work: 12 12 12 host peak under 1 MB: True dynamo after the "
+            "measurements: False") in done.stdout, done.stdout
+
+
+def test_work_counts_every_operator():
+    """_grader.work: products by their flops, views free, any other operator by the numbers
+    it reads and writes; so quadratic work shows whatever operators it is made of."""
+    done = _run_cells("""
+        n, d = 50, 4
+        q, k = torch.randn(n, d), torch.randn(n, d)
+        cases = {
+            "mm": (lambda: q @ k.T, 2 * n * n * d),
+            "einsum": (lambda: torch.einsum("id,jd->ij", q, k), 2 * n * n * d),
+            # the multiply reads 2 n d and writes n^2 d; the sum reads n^2 d and writes n^2
+            "broadcast-sum": (lambda: (q[:, None, :] * k[None]).sum(-1),
+                              2 * n * d + 2 * n * n * d + n * n),
+            "ones-tril": (lambda: torch.ones(n, n).tril(), 3 * n * n),
+            "cumsum": (lambda: torch.ones(n, n).cumsum(-1), 3 * n * n),
+            "views": (lambda: (q[3:9].T, k.unfold(0, 5, 1), q.expand(2, n, d), q.view(d, n)), 0),
+            "matrix-vector": (lambda: q @ k[0], 2 * n * d),
+            "gather": (lambda: q[torch.tensor([1, 2, 3])], 3 + 2 * 3 * d),
+            "template": (lambda: q.new_zeros(7), 7),
+            # a convolution over the whole sequence: the flops of torch.utils.flop_counter
+            "conv1d": (lambda: torch.nn.functional.conv1d(q.T[None], k.T[None], padding=n - 1),
+                       2 * d * n * (2 * n - 1)),
+        }
+        for name, (fn, expected) in cases.items():
+            _, got = _grader.work(fn)
+            print(name, got == expected, got, expected)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 10 and all(line.split()[1] == "True" for line in lines), done.stdout
+
+
+def test_cost_within_stops_early_and_measures_in_one_run():
+    """cost_within: work, largest tensor and operators of one run; it raises at the first
+    operator past a limit, and at the end when the function caught that error."""
+    done = _run_cells("""
+        x = torch.ones(100)
+        calls = []
+
+        def adds(x, times):
+            for _ in range(times):
+                calls.append(1)
+                x = x + 1                      # 200 units each: reads 100, writes 100
+            return x
+
+        _, cost = _grader.cost_within(None, None, adds, x, 10)
+        _, largest = _grader.largest_allocation(adds, x, 10)
+        _, work = _grader.work(adds, x, 10)
+        print("cost", cost.work == work, cost.largest == largest == 100, cost.operators)
+        for limits in [(1000, None), (None, 3)]:
+            calls.clear()
+            try:
+                _grader.cost_within(*limits, adds, x, 10)
+                print("not stopped")
+            except AssertionError as error:
+                print("stopped after", len(calls), "|", error)
+
+        def swallowing(x):
+            for _ in range(10):
+                try:
+                    x = x + 1
+                except AssertionError:
+                    pass
+            return x
+
+        try:
+            _grader.cost_within(500, None, swallowing, x)
+            print("not stopped")
+        except AssertionError as error:
+            print("caught at the end |", error)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cost True True 10", done.stdout
+    assert lines[1].startswith("stopped after 6 | adds did more than 1000 units of work"), lines
+    assert lines[2] == "stopped after 4 | adds ran more than 3 PyTorch operators", lines
+    assert lines[3].startswith("caught at the end | swallowing did more than 500 units"), lines
 
 
 @pytest.mark.parametrize("late_import", [

@@ -9,7 +9,7 @@ ordered so that the one calling the student's recurrence meets an honest Part 1.
 CASES = [
     {
         # Part 3 asks for chunks: right values from the parallel form over the whole sequence
-        # (the n x n matrix). The largest tensor and the matrix-product work give it away.
+        # (the n x n matrix). The largest tensor and the work give it away.
         "name": "quadratic-part3",
         "cell": "part3-chunkwise-solution",
         "source": '''def chunkwise_decay_attention(q, k, v, log_decay, chunk_size=64):
@@ -23,7 +23,7 @@ CASES = [
     },
     {
         # Chunks of queries, each against every earlier key: tensors of C x n numbers (within
-        # the memory bound) but Theta(n^2) work, which the FLOP count catches.
+        # the memory bound) but Theta(n^2) work, which the work count catches.
         "name": "blocked-quadratic-part3",
         "cell": "part3-chunkwise-solution",
         "source": '''def chunkwise_decay_attention(q, k, v, log_decay, chunk_size=64):
@@ -38,6 +38,57 @@ CASES = [
         weights = torch.exp(exponent.masked_fill(cols > rows, -math.inf))
         scores = q[..., start:stop, :] @ k[..., :stop, :].transpose(-2, -1)
         outputs.append((scores * weights) @ v[..., :stop, :])
+    return torch.cat(outputs, dim=-2)''',
+        "must_fail": {"part3-cost-test"},
+    },
+    {
+        # A few queries at a time against every earlier key without any matrix product:
+        # broadcasting and .sum(-1) for q_i . k_j and for the sum over the values. Tensors of
+        # (C / 4) x n x d numbers (within the memory bound) and few operators per token, but
+        # Theta(n^2) work: a count of matrix-product FLOPs alone saw nothing.
+        "name": "broadcast-sum-part3",
+        "cell": "part3-chunkwise-solution",
+        "source": '''def chunkwise_decay_attention(q, k, v, log_decay, chunk_size=64):
+    """A few queries at a time against every earlier key, by broadcasting and sums (no @)."""
+    n, rows = q.shape[-2], max(1, chunk_size // 4)
+    prefix = torch.cumsum(log_decay, dim=-1)                          # c_i: (..., n)
+    position = torch.arange(n, device=q.device)
+    outputs = []
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        later = position[:stop] > position[start:stop, None]          # j > i: (rows, stop)
+        scores = (q[..., start:stop, None, :] * k[..., None, :stop, :]).sum(-1)
+        exponent = prefix[..., start:stop, None] - prefix[..., None, :stop]
+        weights = torch.exp(exponent.masked_fill(later, -math.inf)) * scores
+        outputs.append((weights.unsqueeze(-1) * v[..., None, :stop, :]).sum(-2))
+    return torch.cat(outputs, dim=-2)''',
+        "must_fail": {"part3-cost-test"},
+    },
+    {
+        # Each chunk of queries against every earlier key, the causal mask made by a cumsum
+        # over a C x n block of ones and the products one feature at a time (no matrix
+        # product): C x n tensors, Theta(n^2) work.
+        "name": "cumsum-mask-part3",
+        "cell": "part3-chunkwise-solution",
+        "source": '''def chunkwise_decay_attention(q, k, v, log_decay, chunk_size=64):
+    """Each chunk of queries against every earlier key: the causal mask from a cumsum over a
+    block of ones, the products one feature at a time (no @)."""
+    n = q.shape[-2]
+    prefix = torch.cumsum(log_decay, dim=-1)
+    outputs = []
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        rows = torch.arange(start + 1, stop + 1, dtype=q.dtype, device=q.device)[:, None]
+        ones = torch.ones(stop - start, stop, dtype=q.dtype, device=q.device)
+        causal = torch.cumsum(ones, dim=-1) <= rows                    # j + 1 <= i + 1
+        exponent = prefix[..., start:stop, None] - prefix[..., None, :stop]
+        weights = torch.exp(exponent.masked_fill(~causal, -math.inf))
+        scores = 0
+        for q_f, k_f in zip(q[..., start:stop, :].unbind(-1), k[..., :stop, :].unbind(-1)):
+            scores = scores + q_f[..., :, None] * k_f[..., None, :]
+        weights = weights * scores
+        outputs.append(torch.stack([(weights * v_e[..., None, :])
+                                    .sum(-1) for v_e in v[..., :stop, :].unbind(-1)], dim=-1))
     return torch.cat(outputs, dim=-2)''',
         "must_fail": {"part3-cost-test"},
     },

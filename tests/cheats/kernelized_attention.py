@@ -30,4 +30,21 @@ CASES = [
     return torch.cat(blocks, dim=-2)''',
         "must_fail": {"part4-linear-test"},
     },
+    {
+        # The same matrix 16 query rows at a time, by broadcasting and .sum (no matrix product):
+        # small tensors, quadratic work, which a count of matrix-product FLOPs did not see.
+        "name": "broadcast-sum-part4",
+        "cell": "part4-linear-solution",
+        "source": '''def linear_attention(q, k, v, feature_map):
+    """phi(Q) phi(K)^T V / row sums, 16 query rows at a time, by broadcasting and sums (no @)."""
+    phi_k = feature_map(k)                                             # (..., n_k, C)
+    blocks = []
+    for start in range(0, q.shape[-2], 16):
+        phi_q = feature_map(q[..., start : start + 16, :])            # (..., 16, C)
+        weights = (phi_q.unsqueeze(-2) * phi_k.unsqueeze(-3)).sum(-1)  # (..., 16, n_k)
+        numerator = (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)  # (..., 16, d_v)
+        blocks.append(numerator / weights.sum(-1, keepdim=True))
+    return torch.cat(blocks, dim=-2)''',
+        "must_fail": {"part4-linear-test"},
+    },
 ]
