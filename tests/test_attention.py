@@ -407,3 +407,19 @@ def test_num_kv_heads_bad_values(num_kv_heads, error, words):
         ea.MultiHeadAttention(16, 4, num_kv_heads=num_kv_heads)
     for word in words:
         assert word in str(info.value)
+
+
+def test_multi_head_attention_names_a_wrong_dtype_and_a_list_mask():
+    """float64 input to a float32 module failed deep in a matmul (forward and decode); a list
+    as key_padding_mask raised AttributeError (issue 27.5)."""
+    mha = ea.MultiHeadAttention(d_model=8, num_heads=2)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"x must have the dtype of the module's parameters "
+                                        r"\(torch.float32\), got torch.float64"):
+        mha(x)
+    cache = ea.KVCache(max_len=8)
+    with pytest.raises(TypeError, match="x must have the dtype of the module's parameters"):
+        mha.decode(x[:, :1], cache)
+    assert mha.double()(x).dtype == torch.float64  # what the message proposes
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool torch.Tensor, got list"):
+        mha(x, key_padding_mask=[[True] * 5] * 2)

@@ -17,6 +17,7 @@ from ._checks import (
     check_bool,
     check_causal_lengths,
     check_key_padding_mask,
+    check_module_input,
     check_nonnegative_int,
     check_positive_int,
     check_qkv,
@@ -250,7 +251,7 @@ class MultiHeadAttention(nn.Module):
                 f"{name} must have last dimension d_model={self.d_model}, "
                 f"got shape {tuple(x.shape)}"
             )
-        return x
+        return check_module_input(x, name, self)
 
     def forward(
         self,
@@ -276,6 +277,7 @@ class MultiHeadAttention(nn.Module):
             kwargs["causal"] = True
         if key_padding_mask is not None:
             expected = tuple(context.shape[:-1])
+            check_key_padding_mask(key_padding_mask, context.shape, context.device)
             if tuple(key_padding_mask.shape) != expected:
                 raise ValueError(
                     f"key_padding_mask must have shape (batch, n_k)={expected}, "
