@@ -31,7 +31,7 @@ PYTEST  := OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS)
 # another build of Chromium given in the environment).
 export CHROMIUM_PATH ?= /usr/bin/chromium
 
-.PHONY: help setup book test lint unit notebooks grading grade browser bench serve clean \
+.PHONY: help setup book test lint unit notebooks grading trust grade browser bench serve clean \
         packages chromium bubblewrap
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make lint | unit | notebooks | grading | browser   one part of 'make test'"
 	@echo "               (parts run on all cores; WORKERS=1 for one worker, 0 for no worker)"
 	@echo "make grade ASSIGNMENT=name   autograde every collected submission, table + CSV"
+	@echo "make trust     every assignment's solution graded on a busy machine (slow)"
 	@echo "make bench     rerun the benchmarks behind the comparison chapter (slow)"
 	@echo "make serve     serve the built book (built first only if missing) on http://127.0.0.1:8000"
 	@echo "               (PORT=8001 for another port; works from any folder: make -C <repo> serve)"
@@ -79,13 +80,21 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks assignments book
 
 unit: $(STAMP) bubblewrap
-	$(PYTEST) --dist loadgroup tests --ignore=tests/test_grading.py --ignore=tests/test_browser.py
+	$(PYTEST) --dist loadgroup tests --ignore=tests/test_grading.py --ignore=tests/test_browser.py \
+	    --ignore=tests/test_grading_load.py
 
 notebooks: $(STAMP)
 	$(PYTEST) --dist loadfile --nbval-lax $(CHAPTERS) $(SOURCES)
 
 grading: $(STAMP) bubblewrap
-	$(PYTEST) --dist loadgroup tests/test_grading.py
+	$(PYTEST) --dist loadgroup tests/test_grading.py tests/test_grading_load.py
+
+# Every assignment's solution graded on a busy machine: four CPU-bound processes per core, each
+# in its own session, and a cold page cache (tests/test_grading_load.py; `make test` grades
+# one assignment, on one core). About 3 minutes an assignment on two cores.
+trust: $(STAMP) bubblewrap
+	BUSY_ASSIGNMENTS=all BUSY_CORES=all $(BIN)/pytest -q -p no:cacheprovider \
+	    tests/test_grading_load.py
 
 # The instructor's one command: autograde every submission under assignments/submitted/*/NAME,
 # print a table per student and write assignments/grades/NAME.csv (see assignments/README.md).

@@ -40,14 +40,25 @@ c.CourseDirectory.course_id = "efficient-attention"
 c.CourseDirectory.root = COURSE_ROOT
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(COURSE_ROOT, "gradebook.db")
 
-# Execution at validate/autograde time. A cell that runs longer than `timeout` seconds is
-# interrupted: it gets a CellTimeoutError and execution goes on with the next cell
-# (nbgrader's Execute always runs with allow_errors). A cell that ignores the interrupt (it
-# catches KeyboardInterrupt, or sits in one long native call) is stopped by GuardedExecute:
-# the notebook runs again in a fresh kernel with that cell replaced by an error. So a
-# student's infinite loop costs only the parts that depend on that cell
-# (tests/test_grading.py checks both). A whole solution notebook runs in about 10 s.
-c.Execute.timeout = 30
+# Execution at autograde time (course_tools/execution.py, course_tools/timekeeping.py). A cell
+# is limited by the CPU time its processes use, not by the clock: a busy grading machine
+# (other kernels, a build) makes honest cells slower by the clock, never by CPU time. A cell
+# past its CPU limit, or past the wall-clock limit while mostly waiting (sleeping, blocked),
+# is interrupted (a TimeLimitError under it); one that ignores the interrupt (it catches
+# KeyboardInterrupt, or sits in one long native call) or kills the kernel is *stopped*: the
+# notebook runs again in a fresh kernel with that cell replaced by an error. Either costs
+# only the parts that depend on that cell (tests/test_grading.py checks both). A cell that a
+# busy machine keeps from running goes on up to busy_limit_s; the read-only cells before the
+# first answer (setup, grader tools: kernel start and first imports) have no CPU limit. Past
+# those the machine is at fault: the notebook is run once more, alone, then reported not
+# graded (FAILED TO GRADE), never scored. A whole solution notebook uses about 10 s of CPU.
+c.GuardedExecute.cpu_limit_s = 30  # CPU seconds per cell
+c.GuardedExecute.wall_limit_s = 120  # wall-clock seconds for a cell that waits
+c.GuardedExecute.busy_limit_s = 900  # a cell starved by a busy machine: then rerun alone
+c.GuardedExecute.instructor_limit_s = 600  # setup and grader-tools cells: then rerun alone
+# `nbgrader validate` (students' machines, the source checks) runs nbgrader's plain Execute,
+# with this wall-clock limit per cell.
+c.Execute.timeout = 120
 c.Execute.interrupt_on_timeout = True
 
 # The sandbox (course_tools/sandbox.py; assignments/README.md, "Sandboxed autograding"):

@@ -46,10 +46,15 @@ ALONE_IN_WHOLE_FILES = ("test_sandbox_alone_holds", "test_sandboxed_kernel_direc
 # the gaps at the end.
 COST_RANKS = (("tests/test_grading.py", "tests/test_sandbox.py", "tests/test_browser.py"),
               ("tests/test_benchmark",))
+# Last of all: the grading under load (tests/test_grading_load.py), whose CPU-bound processes
+# would slow every test running beside them.
+LAST = ("tests/test_grading_load.py",)
 
 
 def cost_rank(nodeid: str) -> int:
     path = nodeid.partition("::")[0]
+    if path.startswith(LAST):
+        return len(COST_RANKS) + 2
     for rank, prefixes in enumerate(COST_RANKS):
         if path.startswith(prefixes):
             return rank

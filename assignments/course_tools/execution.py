@@ -15,6 +15,16 @@ submission can do to its kernel (configured in ``nbgrader_config.py``).
   limit, every process the cell started is stopped (a fork bomb ends there), and whatever
   is still running when the cell ends is stopped too, so nothing it started reaches later
   cells.
+- Time (``course_tools/timekeeping.py``): a cell is limited by the CPU time its processes
+  use (``cpu_limit_s``), and by a wall-clock ceiling (``wall_limit_s``) only when it spent it
+  waiting rather than computing; both are the student's, and the cell is interrupted (then
+  stopped as above if it does not stop). A cell that the machine's load keeps from running
+  goes on up to ``busy_limit_s``; the read-only cells before the first student cell (setup,
+  grader tools: kernel start and first imports) have no CPU limit, only
+  ``instructor_limit_s``. Past those the machine is at fault: the notebook is run once more,
+  alone (no other notebook of this machine's graders runs meanwhile), and if that fails too
+  the submission is not graded (``GradingFailed``: the grade command says FAILED TO GRADE
+  with the reason and exits non-zero), never scored.
 - Each limit reached is reported (kind ``limit``) in ``grading_reports/``, which the grade
   command prints.
 """
@@ -23,16 +33,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import nbformat
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import run_sync
 from nbgrader.preprocessors import Execute
-from traitlets import Integer
+from traitlets import Float, Integer, Unicode
 
 from .channels import DROPPED
 from .limits import LIMIT_SIGNS, limits_in_outputs, payload_size
 from .preprocessors import CourseStep, _meta
 from .sandbox import SandboxedKernelManager
+from .timekeeping import GradingLock, TimeLimits, cell_roles, tree_usage, verdict
 
 STOPPED = (
     "# The grader stopped this cell: {reason}. The parts that use it score zero.\n"
@@ -45,6 +58,12 @@ STOPPED = (
 # share of the process limit at which those the cell started are stopped.
 PROCESS_POLL_S = 0.5
 PROCESS_ALARM = 0.9
+# How often the time a cell used is read (seconds).
+TIME_POLL_S = 0.25
+
+
+class GradingFailed(RuntimeError):
+    """The machine, not the submission, kept a notebook from running, twice: not graded."""
 
 
 class GuardedExecute(Execute):
@@ -59,6 +78,24 @@ class GuardedExecute(Execute):
     max_output_bytes = Integer(2 * 1024 * 1024, help=(
         "Output a cell may send (text, images, errors), in bytes; past it the cell is "
         "interrupted and fails with OutputLimitError.")).tag(config=True)
+    cpu_limit_s = Float(30, help=(
+        "CPU seconds a cell may use (every process and thread of the kernel); past it the "
+        "cell is interrupted. The read-only cells before the first answer have none."
+        )).tag(config=True)
+    wall_limit_s = Float(120, help=(
+        "Wall-clock seconds after which a cell that spent most of them waiting (sleeping, "
+        "blocked) rather than computing or queueing for a CPU is interrupted.")).tag(config=True)
+    busy_limit_s = Float(900, help=(
+        "Wall-clock seconds a cell kept from running by a busy machine may take; past them "
+        "the notebook is run again alone, then reported not graded.")).tag(config=True)
+    instructor_limit_s = Float(600, help=(
+        "Wall-clock seconds a read-only cell before the first answer (setup, grader tools) may "
+        "take; past them as for busy_limit_s.")).tag(config=True)
+    lock_path = Unicode("/tmp/efficient-attention-grading.lock", help=(
+        "Lock file shared by this machine's graders: a notebook run again because the machine "
+        "was too busy runs alone. Empty: no lock.")).tag(config=True)
+    startup_timeout = Integer(300, help="Seconds a kernel may take to start (a busy machine "
+                                        "slows it; it counts against no cell).").tag(config=True)
 
     def __init__(self, **kwargs):
         kwargs.setdefault("kernel_manager_class", SandboxedKernelManager)
@@ -66,7 +103,17 @@ class GuardedExecute(Execute):
         self._last_km = None
         self._reset()
 
+    def limits(self) -> TimeLimits:
+        return TimeLimits(self.cpu_limit_s, self.wall_limit_s, self.busy_limit_s,
+                          self.instructor_limit_s)
+
+    def _get_timeout(self, cell):
+        # nbclient's own wall-clock timeout is only a backstop: _watch_time decides
+        return int(max(self.busy_limit_s, self.instructor_limit_s, self.wall_limit_s)) + 120
+
     def _reset(self):
+        self._time_stops: dict = {}  # cell index -> Verdict of the time watch
+        self._abort = None  # the Verdict that made the watch end the run
         self._output_bytes: dict[int, int] = {}  # per cell
         self._cut: set[int] = set()  # cells past the output limit
         self._processes_stopped: dict[int, int] = {}  # per cell, by the process watch
@@ -109,15 +156,51 @@ class GuardedExecute(Execute):
     async def async_execute_cell(self, cell, cell_index, execution_count=None,
                                  store_history=True):
         box = self._sandbox()
-        watch = asyncio.ensure_future(self._watch_processes(box, cell_index)) if box else None
+        watches = [asyncio.ensure_future(self._watch_processes(box, cell_index))] if box else []
+        if cell.cell_type == "code" and cell.source.strip():
+            previous = getattr(self, "task_poll_for_reply", None)  # another cell's
+            watches.append(asyncio.ensure_future(self._watch_time(cell_index, previous)))
         iopub_timeout = self.iopub_timeout
         try:
             return await super().async_execute_cell(cell, cell_index, execution_count,
                                                     store_history)
         finally:
             self.iopub_timeout = iopub_timeout
-            if watch is not None:
+            for watch in watches:
                 watch.cancel()
+
+    # nbclient binds execute_cell to its own async_execute_cell when its class is made: bind
+    # it to this one, or the watches never run
+    execute_cell = run_sync(async_execute_cell)
+
+    def _kernel_pid(self) -> int | None:
+        km = self.km or self._last_km
+        process = getattr(km, "_process", None) or getattr(
+            getattr(km, "provisioner", None), "process", None)
+        return getattr(process, "pid", None)
+
+    async def _watch_time(self, cell_index, previous):
+        """Reads the time the cell uses; at a limit, interrupts it (the student's) or ends the
+        run (the machine's, or a cell that did not stop within ``interrupt_grace_s``).
+        ``previous``: nbclient's reply task of the cell before, never cancelled here."""
+        pid = self._kernel_pid()
+        if pid is None:
+            return
+        role, start, base = self._roles[cell_index], time.monotonic(), tree_usage(pid)
+        found = None
+        while found is None:
+            await asyncio.sleep(TIME_POLL_S)
+            found = verdict(self.limits(), role, time.monotonic() - start,
+                            tree_usage(pid) - base)
+        self._time_stops[cell_index] = found
+        self.log.warning("cell %d: %s", cell_index + 1, found.reason)
+        if found.student:
+            await self.km.interrupt_kernel()
+            await asyncio.sleep(self.interrupt_grace_s)
+        self._abort = found  # still running: end this run (the kernel is then killed)
+        task = getattr(self, "task_poll_for_reply", None)
+        if task is not None and task is not previous:
+            task.cancel()
 
     async def _async_handle_timeout(self, timeout, cell=None):
         """At the time limit nbclient interrupts the kernel and then waits ``iopub_timeout``
@@ -148,6 +231,12 @@ class GuardedExecute(Execute):
         """What the cell ran into; stops the processes it left; marks it failed when its
         output was cut."""
         found, box = [], self._sandbox()
+        stop = self._time_stops.get(index)
+        if stop is not None and stop.student:
+            cell.outputs.append(nbformat.v4.new_output(
+                "error", ename="TimeLimitError", evalue=stop.reason,
+                traceback=[f"TimeLimitError: the grader interrupted this cell: {stop.reason}"]))
+            found.append(f"time limit: {stop.reason}; the cell was interrupted")
         if index in self._cut:
             limit = self.max_output_bytes
             cell.outputs.append(nbformat.v4.new_output(
@@ -182,16 +271,21 @@ class GuardedExecute(Execute):
         return found
 
     def _death_reason(self, error) -> str:
+        if self._abort is not None:
+            return f"{self._abort.reason} and did not stop when interrupted"
         if isinstance(error, DeadKernelError):
             km = self._last_km
             if isinstance(km, SandboxedKernelManager) and km.sandbox.enabled:
                 return f"{km.death_reason()} while it ran"
             return "the kernel died while it ran (memory?)"
-        return f"it ran past the {self.timeout} s limit and did not stop when interrupted"
+        return (f"it ran past the {self._get_timeout(None)} s backstop limit and did not stop "
+                "when interrupted")
 
     def preprocess(self, nb, resources=None, km=None):
         stopped: dict[int, str] = {}
         originals = {}
+        self._roles = cell_roles(nb.cells)
+        lock, alone = GradingLock(self.lock_path), False
         while True:
             work = copy.deepcopy(nb)
             for index, reason in stopped.items():
@@ -199,18 +293,32 @@ class GuardedExecute(Execute):
             self._running_cell = None
             self._reset()
             try:
-                work, resources = super().preprocess(work, resources, km)
+                with lock.hold(exclusive=alone):
+                    work, resources = super().preprocess(work, resources, km)
                 for event in self._events:
                     CourseStep.report(self, resources, "limit", event)
                 break
             except (CellTimeoutError, DeadKernelError) as error:
                 index = self._running_cell
+                if self._abort is not None and not self._abort.student:
+                    name = self._cell_name(nb, index)
+                    if alone:
+                        message = (f"FAILED TO GRADE: {name}: {self._abort.reason}, twice (the "
+                                   "second time with no other notebook of this machine's "
+                                   "graders running); grade it again when the machine is "
+                                   "less busy")
+                        CourseStep.report(self, resources, "failed", message)
+                        raise GradingFailed(message) from error
+                    CourseStep.report(self, resources, "rerun", f"{name}: {self._abort.reason};"
+                                      " the notebook was run again, alone (no score lost)")
+                    alone = True
+                    continue
                 if index is None or index in stopped or len(stopped) >= self.max_stopped_cells:
                     raise
                 reason = self._death_reason(error)
                 stopped[index] = reason
                 originals[index] = nb.cells[index].source
-                name = _meta(nb.cells[index]).get("grade_id") or f"cell {index + 1}"
+                name = self._cell_name(nb, index)
                 CourseStep.report(self, resources, "stopped", f"{name}: {reason}; the "
                                   "notebook was run again with that cell replaced by an error")
         for index, source in originals.items():
@@ -218,5 +326,11 @@ class GuardedExecute(Execute):
         nb.cells = work.cells
         nb.metadata = work.metadata
         return nb, resources
+
+    @staticmethod
+    def _cell_name(nb, index) -> str:
+        if index is None:
+            return "kernel start"
+        return _meta(nb.cells[index]).get("grade_id") or f"cell {index + 1}"
 
     _paths = CourseStep._paths

@@ -2,7 +2,7 @@
 
 From the repository root: ``make grade ASSIGNMENT=argmax_attention``; from ``assignments/``::
 
-    python -m course_tools.grade argmax_attention [--timeout 30]
+    python -m course_tools.grade argmax_attention [--cpu-limit 30] [--wall-limit 120]
 
 It checks that the sandbox of ``course_tools/sandbox.py`` can run (or says how to install
 bubblewrap), runs ``nbgrader autograde <name> --force`` once for all students found under
@@ -10,8 +10,12 @@ bubblewrap), runs ``nbgrader autograde <name> --force`` once for all students fo
 (autograded tests, and written answers once graded by hand), then what the course's steps
 reported (``flagged`` by the integrity check, ``repaired`` cell metadata, a cell ``stopped``
 with the reason, e.g. ``kernel killed: memory limit``, a sandbox ``limit`` reached) and
-whether the notebook was graded at all. A submission nbgrader could not grade is listed as
-``FAILED TO GRADE`` with nbgrader's reason, and its score is left empty in the CSV, never 0;
+whether the notebook was graded at all. Its first lines say how the code runs: the sandbox,
+and the time limits (``course_tools/timekeeping.py``: CPU time per cell, a wall-clock ceiling
+for a cell that waits, the ceilings past which the machine, not the student, is at fault).
+A submission nbgrader could not grade is listed as ``FAILED TO GRADE`` with the reason (the
+course's, e.g. a machine too busy to run it twice, or nbgrader's), and its score is left
+empty in the CSV, never 0;
 so is one that holds a symbolic link, which is not graded at all (nbgrader would copy the
 file it points to, read with your rights, into autograded/ and the feedback). The CSV (one
 row per student and part) goes to ``grades/<name>.csv``.
@@ -32,6 +36,27 @@ from pathlib import Path
 COURSE = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 REPORTS = "grading_reports"
+
+
+LIMIT_FLAGS = {
+    "cpu-limit": "CPU seconds per cell",
+    "wall-limit": "wall-clock seconds after which a waiting cell is stopped",
+    "busy-limit": "wall-clock seconds a cell kept from running by a busy machine may take",
+    "instructor-limit": "wall-clock seconds for the read-only cells before the first answer",
+}
+LIMIT_TRAITS = {"cpu-limit": "cpu_limit_s", "wall-limit": "wall_limit_s",
+                "busy-limit": "busy_limit_s", "instructor-limit": "instructor_limit_s"}
+
+
+def time_limits(course: Path, overrides: dict):
+    """The time limits autograde will apply: the course's config, then ``overrides``."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    from course_tools.execution import GuardedExecute
+
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
+    config.GuardedExecute.update(overrides)
+    return GuardedExecute(config=config).limits()
 
 
 def _env() -> dict:
@@ -106,7 +131,9 @@ def collect(course: Path, name: str, students: list[str], log: str, started: flo
                     continue
                 for grade in submission.grades:
                     parts[grade.name] = (grade.score, grade.max_score, grade.needs_manual_grade)
-            reason = "; ".join(errors[student][-3:]) or "no autograded notebook was written"
+            failures = [e["message"] for e in events if e["kind"] == "failed"]
+            reason = ("; ".join(failures) or "; ".join(errors[student][-3:])
+                      or "no autograded notebook was written")
             records.append({"student": student, "graded": graded, "parts": parts,
                             "events": events, "reason": "" if graded else reason})
     return records
@@ -161,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("assignment")
     parser.add_argument("--course", default=str(COURSE),
                         help="course folder (default: %(default)s)")
-    parser.add_argument("--timeout", type=int, help="per-cell time limit (default: the config's)")
+    for flag, what in LIMIT_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=float, help=f"{what} (default: the config's)")
     parser.add_argument("--csv", help="CSV path (default: <course>/grades/<assignment>.csv)")
     args = parser.parse_args(argv)
     course, name = Path(args.course).resolve(), args.assignment
@@ -179,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxUnavailable as error:
         print(f"cannot grade: {error}", file=sys.stderr)
         return 2
+    overrides = {trait: value for flag, trait in LIMIT_TRAITS.items()
+                 if (value := getattr(args, flag.replace("-", "_"))) is not None}
     print(sandbox.describe())
+    print(time_limits(course, overrides).describe())
     reports = course / REPORTS / name
     for student in students:
         for stale in (reports / student).glob("*.json"):
             stale.unlink()
-    extra = [f"--Execute.timeout={args.timeout}"] if args.timeout else []
+    extra = [f"--GuardedExecute.{trait}={value:g}" for trait, value in overrides.items()]
     refused = {s: links for s in students if (links := links_in(course / "submitted" / s / name))}
     if refused:
         extra.append(f"--CourseDirectory.student_id_exclude={','.join(refused)}")
