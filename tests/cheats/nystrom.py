@@ -22,6 +22,29 @@ CASES = [
     return ((f @ pinv(a_s)) @ b) @ v  # (..., n_q, n_k) first''',
         "must_fail": {"part5-nystromformer-test"},
     },
+    {
+        # Left to right, but a block of 64 keys at a time in a Python loop: (F pinv(A_S))
+        # B[:, block] is n x 64 (the memory test passes), Theta(n^2 (m + d_v)) work in all.
+        "name": "key-loop-part5",
+        "cell": "part5-nystromformer-solution",
+        "source": '''def nystromformer_attention(q, k, v, num_landmarks, pinv=torch.linalg.pinv):
+    """Left to right, a block of 64 keys at a time: (F pinv(A_S)) B[:, block] V[block]."""
+    m, d = num_landmarks, q.shape[-1]
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    q_land = q.unflatten(-2, (m, n_q // m)).mean(dim=-2)
+    k_land = k.unflatten(-2, (m, n_k // m)).mean(dim=-2)
+    scale = 1.0 / math.sqrt(d)
+    f = torch.softmax(q @ k_land.transpose(-2, -1) * scale, dim=-1)
+    a_s = torch.softmax(q_land @ k_land.transpose(-2, -1) * scale, dim=-1)
+    b = torch.softmax(q_land @ k.transpose(-2, -1) * scale, dim=-1)
+    left = f @ pinv(a_s)                                                # (..., n_q, m)
+    out = 0
+    for start in range(0, n_k, 64):
+        weights = left @ b[..., start : start + 64]                     # (..., n_q, 64)
+        out = out + weights @ v[..., start : start + 64, :]
+    return out''',
+        "must_fail": {"part5-nystromformer-test"},
+    },
 ]
 
 # A plain solve in Part 1 (``c @ torch.linalg.solve(w, c.mT)``) raises on the repeated

@@ -36,6 +36,39 @@ CASES = [
         "must_fail": {"part4-memory-test"},
     },
     {
+        # Tiles, with no running state: at every key tile, the partial result over all the key
+        # tiles up to it recomputed from scratch by a Python loop over those key blocks. Tiles
+        # of memory only (the memory bound passes), but the work of ceil(n_k / block_k) / 2
+        # passes over the tiles.
+        "name": "rescan-key-blocks-part4",
+        "cell": "part4-tiled-solution",
+        "source": '''def tiled_attention(q, k, v, block_q=64, block_k=64):
+    """Tiles of queries; for each key tile, the partial result over all key tiles up to it,
+    recomputed from scratch by a Python loop over those key blocks (no running state kept)."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(q.shape[:-1])
+    for i in range(0, n_q, block_q):
+        q_tile = q[..., i : i + block_q, :] * scale
+        for end in range(block_k, n_k + block_k, block_k):   # keys [0, end), from scratch
+            running_max = torch.full(q_tile.shape[:-1], -math.inf, dtype=q.dtype)
+            running_sum = torch.zeros_like(running_max)
+            acc = q.new_zeros(*q_tile.shape[:-1], v.shape[-1])
+            for j in range(0, min(end, n_k), block_k):
+                scores = q_tile @ k[..., j : j + block_k, :].transpose(-2, -1)
+                new_max = torch.maximum(running_max, scores.amax(dim=-1))
+                weights = torch.exp(scores - new_max.unsqueeze(-1))
+                rescale = torch.exp(running_max - new_max)
+                running_sum = rescale * running_sum + weights.sum(dim=-1)
+                acc = rescale.unsqueeze(-1) * acc + weights @ v[..., j : j + block_k, :]
+                running_max = new_max
+        out[..., i : i + block_q, :] = acc / running_sum.unsqueeze(-1)
+        lse[..., i : i + block_q] = running_max + torch.log(running_sum)
+    return out, lse''',
+        "must_fail": {"part4-memory-test"},
+    },
+    {
         # Part 1 with the library's softmax and log-sum-exp, which the assignment forbids.
         "name": "library-softmax-part1",
         "cell": "part1-block-solution",

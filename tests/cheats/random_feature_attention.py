@@ -37,4 +37,27 @@ CASES = [
     return torch.from_numpy((a @ v.numpy()) / a.sum(-1, keepdims=True))''',
         "must_fail": {"part3-estimator-test"},
     },
+    {
+        # The weights of all queries against a block of 256 keys at a time, the blocks summed
+        # in a Python loop: n_q x 256 tensors (the memory test passes), Theta(n_q n_k m) work.
+        "name": "key-loop-part3",
+        "cell": "part3-estimator-solution",
+        "source": '''def rff_softmax_attention(q, k, v, w):
+    """The estimated attention weights of all queries against 256 keys at a time, summed."""
+    scale = q.shape[-1] ** -0.25
+    q, k = scale * q, scale * k
+
+    def features(x):
+        return torch.exp(0.5 * (x * x).sum(-1, keepdim=True)) * random_fourier_features(x, w)
+
+    psi_q, psi_k = features(q), features(k)
+    numerator = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    denominator = q.new_zeros(*q.shape[:-1], 1)
+    for start in range(0, k.shape[-2], 256):
+        a = psi_q @ psi_k[..., start : start + 256, :].transpose(-2, -1)  # (..., n_q, 256)
+        numerator = numerator + a @ v[..., start : start + 256, :]
+        denominator = denominator + a.sum(-1, keepdim=True)
+    return numerator / denominator''',
+        "must_fail": {"part3-estimator-test"},
+    },
 ]
