@@ -26,6 +26,7 @@ _MODULES = (
     "purification",
     "random_features",
     "recurrent",
+    "sparse",
     "tiling",
 )
 

@@ -256,6 +256,79 @@ def check_generator(generator: object) -> torch.Generator | None:
     return generator
 
 
+# --- sparse selection (issue 28): block masks, hash parameters, shared query-key ---------
+
+
+def check_even_positive_int(value: object, name: str) -> int:
+    """Return ``value`` if it is a positive even ``int`` (bools rejected)."""
+    value = check_positive_int(value, name)
+    if value % 2:
+        raise ValueError(f"{name} must be a positive even int, got {value}")
+    return value
+
+
+def check_block_mask(
+    mask: object, batch: Sequence[int], num_blocks: tuple[int, int], device: torch.device,
+    name: str = "block_mask",
+) -> torch.Tensor:
+    """Validate a block mask: bool ``(..., nb_q, nb_k)``, ``True`` = the block is attended.
+
+    The last two dimensions must be exactly ``num_blocks`` and the leading ones must
+    broadcast to ``batch`` (the batch dimensions of the queries, keys and values).
+    Returns the mask broadcast to ``(*batch, nb_q, nb_k)`` (a view).
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{name} must have dtype torch.bool (True = attend to the block), got {mask.dtype}"
+        )
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != tuple(num_blocks):
+        raise ValueError(
+            f"{name} must have shape (..., {num_blocks[0]}, {num_blocks[1]}) (query blocks, "
+            f"key blocks: ceil(n / block_size) each), got shape {tuple(mask.shape)}"
+        )
+    target = (*batch, *num_blocks)
+    try:
+        out = torch.broadcast_to(mask, target)
+    except RuntimeError as err:
+        raise ValueError(
+            f"{name} must be broadcastable to {target} (the batch dimensions of q, k and v, "
+            f"then the blocks), got shape {tuple(mask.shape)}"
+        ) from err
+    if mask.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {mask.device}")
+    return out
+
+
+def check_shared_qk(qk: object, v: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate shared queries-keys ``qk (..., n, d)`` with ``d >= 1`` and values
+    ``(..., n, d_v)``: same ``n``, broadcastable batch dimensions, one dtype, one device."""
+    qk = check_tensor(qk, "qk", min_dim=2)
+    v = check_tensor(v, "v", min_dim=2)
+    if qk.shape[-1] == 0:
+        raise ValueError(
+            f"qk must have at least one feature (d >= 1), got qk.shape={tuple(qk.shape)}"
+        )
+    if qk.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            "qk and v must have the same sequence length n (dimension -2), got "
+            f"qk.shape={tuple(qk.shape)} and v.shape={tuple(v.shape)}"
+        )
+    try:
+        torch.broadcast_shapes(qk.shape[:-2], v.shape[:-2])
+    except RuntimeError as err:
+        raise ValueError(
+            "qk and v must have broadcastable batch dimensions (...), got "
+            f"qk.shape={tuple(qk.shape)} and v.shape={tuple(v.shape)}"
+        ) from err
+    if qk.dtype != v.dtype:
+        raise TypeError(f"qk and v must share one dtype, got {qk.dtype} and {v.dtype}")
+    if qk.device != v.device:
+        raise ValueError(f"qk and v must be on one device, got {qk.device} and {v.device}")
+    return qk, v
+
+
 def check_module_input(x: torch.Tensor, name: str, module: torch.nn.Module) -> torch.Tensor:
     """Return ``x`` if it has the dtype and device of ``module``'s parameters.
 
