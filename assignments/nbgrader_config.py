@@ -22,12 +22,14 @@ from nbgrader.preprocessors import (
     OverwriteKernelspec,
     SaveAutoGrades,
 )
+from nbgrader.preprocessors.base import NbGraderPreprocessor
 
 c = get_config()  # noqa: F821  (nbgrader's config loader defines get_config)
 
 COURSE_ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, COURSE_ROOT)  # the course's own steps: course_tools/
 
+from course_tools.exchange import CourseReleaseFeedback  # noqa: E402
 from course_tools.execution import GuardedExecute  # noqa: E402
 from course_tools.integrity import make_validate_hook  # noqa: E402
 from course_tools.preprocessors import (  # noqa: E402
@@ -79,6 +81,11 @@ c.GuardedExecute.max_output_bytes = 2 * 1024 * 1024  # output per cell, then Out
 # names in NBGRADER_EXCHANGE, by default exchange/ inside this course folder (git-ignored).
 # On a shared JupyterHub every user must see the same folder: see assignments/README.md.
 c.Exchange.root = os.environ.get("NBGRADER_EXCHANGE", os.path.join(COURSE_ROOT, "exchange"))
+# release_feedback: nbgrader's own stops with a traceback at a submission that did not come
+# through the exchange (zip_collect, copied by hand), after releasing part of the class. This
+# one releases nothing then, and says what to do: release the others with --student=<id>,
+# send those students their HTML feedback file (course_tools/exchange.py).
+c.ExchangeFactory.release_feedback = CourseReleaseFeedback
 
 # zip_collect: submissions downloaded from an LMS (one archive, or the files themselves) go
 # into downloaded/<assignment>/archive/, named `<student id>_<assignment>.ipynb` (a student
@@ -137,3 +144,9 @@ c.GenerateFeedback.preprocessors = [
     ClearHiddenTests,
     CSSHTMLHeaderPreprocessor,
 ]
+# nbconvert's HTML exporter configures NbConvertBase.display_data_priority, which every
+# preprocessor inherits; nbgrader's preprocessors redefine that trait without making it
+# configurable, so each of them but GetGrades printed "Config option `display_data_priority`
+# not recognized" (twice per generate_feedback: HideHiddenTestOutputs, ClearHiddenTests).
+# None of them reads it; making it configurable (as GetGrades' is) silences them.
+NbGraderPreprocessor.display_data_priority.tag(config=True)

@@ -10,7 +10,9 @@ bubblewrap), runs ``nbgrader autograde <name> --force`` once for all students fo
 (autograded tests, and written answers once graded by hand), then what the course's steps
 reported (``flagged`` by the integrity check, ``repaired`` cell metadata, a cell ``stopped``
 with the reason, e.g. ``kernel killed: memory limit``, a sandbox ``limit`` reached) and
-whether the notebook was graded at all. Its first lines say how the code runs: the sandbox,
+whether the notebook was graded at all. A part whose answer cells the student left exactly as
+released (``raise NotImplementedError()``, "YOUR ANSWER HERE") and that scored nothing is
+marked ``not attempted`` next to its score (and in the CSV's notes). Its first lines say how the code runs: the sandbox,
 and the time limits (``course_tools/timekeeping.py``: CPU time per cell, a wall-clock ceiling
 for a cell that waits, the ceilings past which the machine, not the student, is at fault).
 A submission nbgrader could not grade is listed as ``FAILED TO GRADE`` with the reason (the
@@ -104,6 +106,51 @@ def autograde(course: Path, name: str, extra: list[str]) -> subprocess.Completed
     )
 
 
+def part_number(grade_id: str) -> int | None:
+    """N of a grade id ``part<N>-...``; None for any other cell."""
+    match = re.match(r"part(\d+)-", grade_id or "")
+    return int(match.group(1)) if match else None
+
+
+def answer_sources(path: Path) -> dict[str, list[str]] | None:
+    """``{grade id: [source, ...]}`` of a notebook's answer cells (``solution: true``, code or
+    written), each source stripped; None if the file is not a notebook."""
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    answers: dict[str, list[str]] = {}
+    for cell in cells if isinstance(cells, list) else []:
+        if not isinstance(cell, dict):
+            continue
+        meta = (cell.get("metadata") or {}).get("nbgrader") or {}
+        if isinstance(meta, dict) and meta.get("solution") and meta.get("grade_id"):
+            source = cell.get("source", "")
+            source = "".join(source) if isinstance(source, list) else str(source)
+            answers.setdefault(str(meta["grade_id"]), []).append(source.strip())
+    return answers
+
+
+def not_attempted(release: Path, submitted: Path, parts: dict) -> set[int]:
+    """Parts (numbers N of the grade ids ``part<N>-``) the student did not attempt: every
+    answer cell of the part is exactly as released (``raise NotImplementedError()``, "YOUR
+    ANSWER HERE"; compared by grade id, ends stripped; a deleted one counts as untouched) and
+    no graded cell of the part scored a point (an answer written in a cell of one's own and
+    passing its tests is an attempt). ``parts``: ``{grade id: (score, max, manual)}``."""
+    released, answered = answer_sources(release), answer_sources(submitted)
+    if not released or answered is None:
+        return set()
+    untouched: dict[int, bool] = {}
+    for grade_id, (original, *_) in released.items():
+        number = part_number(grade_id)
+        if number is not None:
+            same = all(source == original for source in answered.get(grade_id, []))
+            untouched[number] = untouched.get(number, True) and same
+    return {number for number, same in untouched.items() if same and all(
+        not manual and not score for grade_id, (score, _, manual) in parts.items()
+        if part_number(grade_id) == number)}
+
+
 def collect(course: Path, name: str, students: list[str], log: str, started: float) -> list:
     """One record per student: status, scores per part, what the course's steps reported."""
     os.environ["PATH"] = _env()["PATH"]
@@ -134,8 +181,14 @@ def collect(course: Path, name: str, students: list[str], log: str, started: flo
             failures = [e["message"] for e in events if e["kind"] == "failed"]
             reason = ("; ".join(failures) or "; ".join(errors[student][-3:])
                       or "no autograded notebook was written")
+            skipped = set()
+            for notebook in notebooks if graded else []:
+                skipped |= not_attempted(
+                    course / "release" / name / f"{notebook}.ipynb",
+                    course / "submitted" / student / name / f"{notebook}.ipynb", parts)
             records.append({"student": student, "graded": graded, "parts": parts,
-                            "events": events, "reason": "" if graded else reason})
+                            "events": events, "reason": "" if graded else reason,
+                            "not_attempted": skipped})
     return records
 
 
@@ -154,6 +207,8 @@ def print_tables(records: list, out=sys.stdout) -> None:
             for part in sorted(record["parts"], key=_part_order):
                 score, max_score, manual = record["parts"][part]
                 shown = "needs manual grade" if manual else f"{score:g} / {max_score:g}"
+                if part_number(part) in record.get("not_attempted", ()):
+                    shown += "  not attempted"
                 print(f"  {part:<32} {shown}", file=out)
                 total += score or 0
                 maximum += max_score
@@ -178,9 +233,11 @@ def write_csv(records: list, path: Path) -> None:
                 if any(e["kind"] == kind for e in record["events"]))
             for part in sorted(record["parts"], key=_part_order):
                 score, max_score, manual = record["parts"][part]
+                note = "needs manual grade" if manual else notes
+                if part_number(part) in record.get("not_attempted", ()):
+                    note = "not attempted" + (" | " + note if note else "")
                 writer.writerow([record["student"], status, part,
-                                 "" if manual else f"{score:g}", f"{max_score:g}",
-                                 "needs manual grade" if manual else notes])
+                                 "" if manual else f"{score:g}", f"{max_score:g}", note])
 
 
 def main(argv: list[str] | None = None) -> int:
