@@ -16,7 +16,7 @@ that expands ``M`` to tokens (:func:`block_mask_to_token_mask`); a query with ``
 empty outputs zeros, as there.
 
 How: rows (pairs batch element x query block) are sorted by the number ``S`` of blocks
-they select and grouped into steps of rows with the same ``S``, about ``2^20`` scores per
+they select and grouped into steps of rows with the same ``S``, about ``2^22`` scores per
 step. In a step, the selected key blocks of every row are gathered into one
 ``(S B) x d`` matrix of keys (and of values), and the step is two batched products with
 a softmax over ``B x S B`` scores per row in between (base 2, see
@@ -50,9 +50,11 @@ from .._padding import zero_padded_rows, zeros_like_result
 
 __all__ = ["block_sparse_attention", "block_mask_to_token_mask"]
 
-# Scores per step (rows x B x S B): 2^20 numbers, 4 MiB in float32, stay within the
-# caches' reach and keep the Python loop short (2^18 to 2^22 timed alike on two cores).
-_SCORES_PER_STEP = 2**20
+# Scores per step (rows x B x S B): 2^22 numbers, 16 MiB in float32. Two cores timed
+# 2^18 to 2^22 alike on one thread; on two threads of a busy machine 2^22 took half the
+# time of 2^20 (each operation ends in a barrier of the OpenMP threads: fewer, larger
+# steps wait less), and 2^24 was slower (the scores leave the caches).
+_SCORES_PER_STEP = 2**22
 
 _LOG2E = 1.0 / math.log(2.0)  # scores in base 2: e^s = 2^(s log2 e)
 
@@ -248,7 +250,7 @@ def block_sparse_attention(
 
     Cost: with ``N`` selected (query block, key block) pairs, time
     ``O(N B^2 (d + d_v))`` and, without autograd, extra memory ``O(n (d + d_v))`` plus
-    one step of about ``2^20`` scores (or one row of ``B n_k`` scores if larger); under
+    one step of about ``2^22`` scores (or one row of ``B n_k`` scores if larger); under
     autograd the weights of every step are kept, ``O(N B^2)``; and the block-level
     bookkeeping, ``O(nb_q nb_k)`` indices (the size of the block mask). Never
     ``n_q x n_k`` for ``B > 1``.
