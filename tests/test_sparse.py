@@ -597,6 +597,42 @@ def test_sparse_functions_never_allocate_n_by_n():
     assert dense >= n * n >= 4 * bound
 
 
+# --- CUDA --------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_matches_cpu(causal):
+    """Float64 on both devices, so the top-k choices and the hashes agree exactly."""
+    n, block = 300, 32
+    q, k, v = (_randn(2, 3, n, 16, seed=s) for s in (71, 72, 73))
+    nb = _blocks(n, block)
+    block_mask = ea.bigbird_block_mask(n, block_size=block, window=1, num_global=1,
+                                       num_random=2, generator=torch.Generator().manual_seed(0))
+    padding = _random_block_mask(2, 1, n, density=0.2, seed=74)
+    cuda = [x.cuda().requires_grad_() for x in (q, k, v)]
+    pairs = [
+        (ea.block_sparse_attention(q, k, v, block_mask, block_size=block, causal=causal,
+                                   key_padding_mask=padding),
+         ea.block_sparse_attention(*cuda, block_mask.cuda(), block_size=block, causal=causal,
+                                   key_padding_mask=padding.cuda())),
+        (ea.topk_block_attention(q, k, v, block_size=block, top_k=3, causal=causal,
+                                 per_query=True),
+         ea.topk_block_attention(*cuda, block_size=block, top_k=3, causal=causal,
+                                 per_query=True)),
+        (ea.lsh_attention(q, v, num_hashes=2, num_buckets=8, chunk_size=16, causal=causal,
+                          generator=torch.Generator().manual_seed(1)),
+         ea.lsh_attention(cuda[0], cuda[2], num_hashes=2, num_buckets=8, chunk_size=16,
+                          causal=causal, generator=torch.Generator().manual_seed(1))),
+    ]
+    assert nb == block_mask.shape[0]
+    for expected, out in pairs:
+        assert out.device.type == "cuda"
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-9, atol=1e-9)
+        out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in cuda)
+
+
 # --- exports -----------------------------------------------------------------------------
 
 
