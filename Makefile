@@ -60,7 +60,20 @@ RELEASES := book/_downloads/assignments/list.md
 $(RELEASES): $(STAMP) $(SOURCES) assignments/release_for_book.py
 	$(BIN)/python assignments/release_for_book.py
 
-book: $(STAMP) $(RELEASES)
+# The library as a wheel, offered for download by the book (book/intro.md) so that a chapter's
+# notebook runs outside the repository after one `pip install` (the note at the top of every
+# chapter). Built from a scratch copy of the sources: building in the clone would leave a build/
+# folder in it.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+WHEEL   := book/_downloads/efficient_attention-$(VERSION)-py3-none-any.whl
+$(WHEEL): $(STAMP) pyproject.toml README.md LICENSE $(shell find src -name '*.py')
+	@rm -f book/_downloads/efficient_attention-*.whl
+	@scratch=$$(mktemp -d) && cp -r pyproject.toml README.md LICENSE src "$$scratch" && \
+	  $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w book/_downloads \
+	    "$$scratch"; status=$$?; rm -rf "$$scratch"; exit $$status
+	@test -f $(WHEEL) || { echo "no $(WHEEL) was built"; exit 1; }
+
+book: $(STAMP) $(RELEASES) $(WHEEL)
 	$(BIN)/python book/_execution_cache.py
 	$(BIN)/jupyter-book build . -W --keep-going
 	@echo "Book built: $(CURDIR)/_build/html/index.html"
@@ -76,8 +89,13 @@ bubblewrap:
 packages:
 	@.ci/ensure-packages chromium "$(CHROMIUM_PATH)" bubblewrap bwrap
 
+# The chapters' code is formatted to fit the book's text column: 76 characters, the width of a
+# code block at the browser test's viewport of 1280 px (tests/test_chapter_prose.py checks the
+# visible lines, tests/test_browser.py the built pages).
+BOOK_LINE_LENGTH := 76
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks assignments book
+	$(BIN)/ruff format --check --line-length $(BOOK_LINE_LENGTH) $(CHAPTERS)
 
 unit: $(STAMP) bubblewrap
 	$(PYTEST) --dist loadgroup tests --ignore=tests/test_grading.py --ignore=tests/test_browser.py \

@@ -23,6 +23,14 @@ _toc.yml, whoever wrote it:
 3. Figure code is folded. Every code cell whose output contains an image carries the cell tag
    `hide-input`: its source sits in a closed `<details>` ("Show code cell source"), and the figure
    shows. Computation that teaches belongs in a visible cell of its own before the figure cell.
+4. Figures say what they show. Every image of the page's content (`<img>` in the article, an
+   `<svg>` in a cell output or a figure) has alt text (for an inline `<svg>`: `aria-label` or a
+   `<title>`) of a few words that is not a file path (docutils falls back to the image's path;
+   a chapter gives the text in the cell metadata `mystnb.image.alt`).
+5. Code fits its block. No visible code block of the content (highlighted `pre` outside cell
+   outputs) is wider than its box (`scrollWidth <= clientWidth`) at the viewport of these tests,
+   1280 x 720 px (the width tests/test_chapter_prose.py sizes the chapters' code for). Folded
+   code has no width until it is opened, and is not checked.
 
 `test_page_checks_catch_what_they_should` runs the same checks on a small synthetic page, so a
 check that silently stopped finding anything would fail there.
@@ -61,6 +69,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 LOCAL_HOST = "127.0.0.1"
+# Every page is loaded in a window of this size (Playwright's default, stated so that rule 5 of
+# the page checks does not depend on it): at 1280 px a code block holds 77 characters of the
+# book's monospace font, so the chapters' code is formatted at 76 (tests/test_chapter_prose.py).
+VIEWPORT = {"width": 1280, "height": 720}
 TIMEOUT_MS = 30_000
 # How long a page may keep requests in flight after its load event (generous: on a busy 2-core
 # machine MathJax fetches its fonts slowly while the other test workers run notebooks).
@@ -190,7 +202,7 @@ class PageVisit:
     """Loads one page with every request outside 127.0.0.1 blocked, and records problems."""
 
     def __init__(self, browser, url: str):
-        self.context = browser.new_context()
+        self.context = browser.new_context(viewport=VIEWPORT)
         self.external: list[str] = []
         self.failed: list[str] = []
         self.console_errors: list[str] = []
@@ -448,6 +460,36 @@ PAGE_CHECKS_JS = r"""
                     `hide-input): "${code.slice(0, 80)}"`);
     }
   });
+
+  // 4. Every image of the content says what it shows, in words, not as a file path.
+  const content = document.querySelector("article") || document.body;
+  const pathLike = /^\S*\.(png|svg|jpe?g|gif|pdf)$|^\S*\/\S*$/i;
+  const images = [...content.querySelectorAll("img")].map((el) =>
+    [el, el.getAttribute("alt"), el.getAttribute("src") || ""]);
+  content.querySelectorAll(".cell_output svg, figure svg").forEach((el) => {
+    if (el.closest("button, mjx-container")) return;  // icons, typeset maths
+    const title = el.querySelector(":scope > title");
+    images.push([el, el.getAttribute("aria-label") || (title && title.textContent), "inline svg"]);
+  });
+  images.forEach(([el, alt, src]) => {
+    const text = (alt || "").trim();
+    const where = src.startsWith("data:") ? src.slice(0, 30) : src.split("/").pop();
+    if (!text) problems.push(`figure ${where} has no alt text`);
+    else if (pathLike.test(text) || text === src || text.split(/\s+/).length < 3)
+      problems.push(`figure ${where} has alt text that does not say what it shows: "${text}"`);
+  });
+
+  // 5. No visible code block is wider than its box.
+  content.querySelectorAll("div.highlight pre").forEach((pre) => {
+    if (pre.closest(".cell_output")) return;  // program output, not code
+    if (pre.scrollWidth > pre.clientWidth + 1) {
+      const cell = pre.closest(".cell");
+      const lines = pre.textContent.split("\n");
+      const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), "").trim();
+      problems.push(`${cell && cell.id ? cell.id : "code block"} overflows its box ` +
+                    `(${pre.scrollWidth} > ${pre.clientWidth} px): "${longest.slice(0, 80)}"`);
+    }
+  });
   return problems;
 }
 """
@@ -494,13 +536,33 @@ SYNTHETIC_PAGE = r"""<!DOCTYPE html><html><body>
 </div>
 <div class="cell docutils container">
   <div class="cell_input docutils container"><pre>plt.plot(x)  # unfolded figure</pre></div>
-  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="></div>
+  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="
+    alt="A line plot of x against its index."></div>
 </div>
 <div class="cell tag_hide-input docutils container">
   <details class="admonition hide above-input"><summary>Show code cell source</summary>
   <div class="cell_input docutils container"><pre>plt.plot(y)  # folded figure</pre></div></details>
-  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="></div>
+  <div class="cell_output docutils container"><img src="data:image/png;base64,iVBORw0KGgo="
+    alt="A line plot of y against its index."></div>
 </div>
+<div class="cell tag_hide-input docutils container" id="no-alt">
+  <details class="admonition hide above-input"><summary>Show code cell source</summary>
+  <div class="cell_input docutils container"><pre>plt.plot(z)</pre></div></details>
+  <div class="cell_output docutils container"><img src="../_images/0a1b.svg"></div>
+  <div class="cell_output docutils container"><img src="../_images/2c3d.svg"
+    alt="../_images/2c3d.svg"></div>
+  <div class="cell_output docutils container"><svg><title>A bar chart of two costs.</title></svg>
+    <svg></svg></div>
+</div>
+<div class="cell docutils container" id="wide">
+  <div class="cell_input docutils container"><div class="highlight">
+    <pre style="width: 200px; overflow-x: auto">x = "code far too wide for its box"</pre>
+  </div></div>
+  <div class="cell_output docutils container"><div class="highlight">
+    <pre style="width: 200px; overflow-x: auto">a line of printed output, wide but not code</pre>
+  </div></div>
+</div>
+<div class="highlight"><pre style="width: 600px">fits = True</pre></div>
 </body></html>"""
 
 
@@ -514,9 +576,14 @@ def test_page_checks_catch_what_they_should(browser):
     finally:
         context.close()
     text = "\n".join(problems)
-    assert len(problems) == 4, text
+    assert len(problems) == 8, text
     assert sum("raw LaTeX" in p for p in problems) == 1 and "\\\\lVert" in problems[0], text
     assert any("plain: output stderr" in p for p in problems), text
     assert any("warns: output shows \"RuntimeWarning\"" in p for p in problems), text
     assert any("unfolded figure" in p for p in problems), text
     assert sum("draws a figure" in p for p in problems) == 1, text  # the folded one passes
+    assert sum("0a1b.svg has no alt text" in p for p in problems) == 1, text
+    assert sum("2c3d.svg has alt text that does not say" in p for p in problems) == 1, text
+    assert sum("inline svg has no alt text" in p for p in problems) == 1, text  # not the titled one
+    assert sum("overflows its box" in p for p in problems) == 1, text  # not the output, not `fits`
+    assert any(p.startswith("wide overflows its box") for p in problems), text

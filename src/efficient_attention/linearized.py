@@ -29,6 +29,7 @@ from torch import nn
 
 from ._blockwise import (
     blockwise_attention,
+    causal_prefix_products,
     check_block_sizes,
     default_block_size,
     flatten_batch,
@@ -45,6 +46,7 @@ from ._checks import (
 from ._padding import zero_padded_rows, zeros_like_result
 
 __all__ = [
+    "causal_prefix_products",  # the chunked prefix sums of the causal form (in _blockwise)
     "elu_feature_map",
     "kernelized_attention",
     "linear_attention",
