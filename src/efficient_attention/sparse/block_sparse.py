@@ -18,11 +18,12 @@ empty outputs zeros, as there.
 How: rows (pairs batch element x query block) are sorted by the number ``S`` of blocks
 they select and grouped into steps of rows with the same ``S``, about ``2^22`` scores per
 step. In a step, the selected key blocks of every row are gathered into one
-``(S B) x d`` matrix of keys (and of values), and the step is two batched products with
-a softmax over ``B x S B`` scores per row in between (base 2, see
-:mod:`~efficient_attention.tiling`). A global row that selects every block (Longformer,
-BigBird) costs its own ``n_k`` keys, and no row pays for another's; nothing of size
-``n_q x n_k`` is ever formed.
+``(S B) x d`` matrix of keys (and of values), and the step is one call of PyTorch's
+fused ``scaled_dot_product_attention`` on ``(rows, 1, B, d)`` queries against those
+``(rows, 1, S B, d)`` keys (on CPU its flash kernel: online softmax over tiles, the
+scores never stored; a bool mask hides padding and, in the diagonal block, the future).
+A global row that selects every block (Longformer, BigBird) costs its own ``n_k`` keys,
+and no row pays for another's; nothing of size ``n_q x n_k`` is ever formed.
 
 References: the block masks of Longformer (Beltagy et al. 2020), BigBird (Zaheer et al.
 2020) and sparse transformers (Child et al. 2019); the gather-per-block-row layout is
@@ -50,13 +51,11 @@ from .._padding import zero_padded_rows, zeros_like_result
 
 __all__ = ["block_sparse_attention", "block_mask_to_token_mask"]
 
-# Scores per step (rows x B x S B): 2^22 numbers, 16 MiB in float32. Two cores timed
-# 2^18 to 2^22 alike on one thread; on two threads of a busy machine 2^22 took half the
-# time of 2^20 (each operation ends in a barrier of the OpenMP threads: fewer, larger
-# steps wait less), and 2^24 was slower (the scores leave the caches).
+# Work per step, in scores (rows x B x S B): 2^22, for which the gathered keys and values
+# take 2^22 (d + d_v) / B numbers (16 MiB in float32 for d = d_v = B / 2). Fewer, larger
+# steps wait less at the barriers that end every parallel operation (on two threads of a
+# busy machine, 2^22 took half the time of 2^20); one thread timed 2^18 to 2^22 alike.
 _SCORES_PER_STEP = 2**22
-
-_LOG2E = 1.0 / math.log(2.0)  # scores in base 2: e^s = 2^(s log2 e)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -96,45 +95,46 @@ def _blocks(x: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)).reshape(x.shape[0] * nb, block_size, x.shape[2])
 
 
-def _weights_times_values(scores, values):
-    """``softmax(scores) @ values`` for base-2 scores ``(R, B, m)`` with -inf at hidden
-    keys: ``2^(s - max)`` summed and multiplied, then divided (a query with no key gets
-    0, and zero gradients). In place when no gradient is needed (``exp2`` is faster than
-    ``exp`` on CPU, and ``torch.softmax`` makes one more pass for its division)."""
-    top = scores.detach().amax(dim=-1, keepdim=True)
-    shift = torch.where(top == float("-inf"), 0.0, top)  # no key: 2^(-inf - 0) = 0
-    if torch.is_grad_enabled() and (scores.requires_grad or values.requires_grad):
-        weights = torch.exp2(scores - shift)
-    else:
-        weights = scores.sub_(shift).exp2_()
-    total = weights.sum(dim=-1, keepdim=True)
-    out = torch.bmm(weights, values)
-    return out / torch.where(total > 0, total, 1.0)
-
-
-def _step(q_rows, kb, vb, key_ok, ids, rows, row_query_mask, causal, nb_q, nb_k, block_size):
+def _step(q_rows, kb, vb, key_ok, ids, rows, row_query_mask, causal, nb_q, nb_k, block_size,
+          scale):
     """One step: query-block rows ``rows (R,)``, each with the ``S`` key blocks ``ids (R, S)``
     (flat indices into ``kb``, increasing). Returns ``(R, B, d_v)``."""
     rows_count, slots = ids.shape
     flat = ids.reshape(-1)
     # Gathered as 2-d rows of B d numbers: index_select is several times faster so.
-    keys = kb.flatten(1).index_select(0, flat).view(rows_count, slots * block_size, -1)
-    values = vb.flatten(1).index_select(0, flat).view(rows_count, slots * block_size, -1)
-    scores = torch.bmm(q_rows, keys.transpose(1, 2))  # (R, B, S B), base 2
-    # The product's output: free to overwrite in place, also under autograd.
+    keys = kb.flatten(1).index_select(0, flat).view(rows_count, 1, slots * block_size, -1)
+    values = vb.flatten(1).index_select(0, flat).view(rows_count, 1, slots * block_size, -1)
+    allowed = None  # bool, broadcastable to (R, 1, B, S B): True = the key takes part
+    ok = None
     if key_ok is not None:  # padding, and the missing keys of a short last block
-        ok = key_ok.index_select(0, flat).view(rows_count, 1, slots * block_size)
-        scores.masked_fill_(~ok, float("-inf"))
-    if causal:  # the blocks are at or before the query block: mask within the diagonal one
-        diagonal = ids[:, -1] % nb_k == rows % nb_q  # it is the last block, when selected
-        future = torch.ones(block_size, block_size, dtype=torch.bool,
-                            device=scores.device).triu(1)
-        tiles = scores.view(rows_count, block_size, slots, block_size)[:, :, -1]  # a view
-        tiles.masked_fill_(future & diagonal.view(-1, 1, 1), float("-inf"))
+        ok = key_ok.index_select(0, flat).view(rows_count, 1, 1, slots * block_size)
+        allowed = ok
+    if causal and bool((ids[:, -1] % nb_k == rows % nb_q).any()):
+        # A diagonal block (the last one of its row, when selected): one comparison of
+        # positions, hidden keys put past every query.
+        offsets = torch.arange(block_size, device=ids.device)
+        key_pos = ((ids % nb_k) * block_size).unsqueeze(-1) + offsets  # (R, S, B)
+        key_pos = key_pos.view(rows_count, 1, 1, -1)
+        if ok is not None:
+            key_pos = key_pos.masked_fill(~ok, nb_k * block_size)
+        query_pos = ((rows % nb_q) * block_size).unsqueeze(-1) + offsets  # (R, B)
+        allowed = key_pos <= query_pos.view(rows_count, 1, block_size, 1)
     if row_query_mask is not None:  # per-query selection among the row's blocks
         picked = row_query_mask.gather(-1, (ids % nb_k).unsqueeze(1).expand(-1, block_size, -1))
-        scores.masked_fill_((~picked).repeat_interleave(block_size, -1), float("-inf"))
-    return _weights_times_values(scores, values)
+        picked = picked.repeat_interleave(block_size, -1).unsqueeze(1)  # (R, 1, B, S B)
+        allowed = picked if allowed is None else allowed & picked
+    empty = None
+    if ok is not None or row_query_mask is not None:  # (causal alone leaves none empty)
+        empty = ~allowed.any(dim=-1, keepdim=True)  # queries with no key: zero output
+        if bool(empty.any()):
+            allowed = allowed | empty  # any finite softmax there; replaced by 0 below
+        else:
+            empty = None
+    out = F.scaled_dot_product_attention(q_rows.unsqueeze(1), keys, values, attn_mask=allowed,
+                                         scale=scale)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out.squeeze(1)
 
 
 def _block_sparse(q, k, v, block_mask, mask, query_mask, batch, block_size, causal):
@@ -152,7 +152,7 @@ def _block_sparse(q, k, v, block_mask, mask, query_mask, batch, block_size, caus
     dtype = compute_dtype(q)
     # Padded keys and values become 0 before any product (NaN there cannot leak).
     k, v = zero_padded_rows(k, mask), zero_padded_rows(v, mask)
-    qb = _blocks(_flatten(q.to(dtype) * (_LOG2E / math.sqrt(d)), batch), nb_q, block_size)
+    qb = _blocks(_flatten(q.to(dtype), batch), nb_q, block_size)
     kb = _blocks(_flatten(k.to(dtype), batch), nb_k, block_size)
     vb = _blocks(_flatten(v.to(dtype), batch), nb_k, block_size)
     key_ok = None
@@ -191,7 +191,7 @@ def _block_sparse(q, k, v, block_mask, mask, query_mask, batch, block_size, caus
         part = slice(start, stop)
         outs.append(_step(qb[part], kb, vb, key_ok, ids_all[part, :slots], rows_busy[part],
                           None if row_queries is None else row_queries[part], causal, nb_q,
-                          nb_k, block_size))
+                          nb_k, block_size, d ** -0.5))
         start = stop
     if not outs:  # no block selected anywhere
         return zeros_like_result(shape, q, k, v)
@@ -249,14 +249,16 @@ def block_sparse_attention(
         ``softmax_attention``.
 
     Cost: with ``N`` selected (query block, key block) pairs, time
-    ``O(N B^2 (d + d_v))`` and, without autograd, extra memory ``O(n (d + d_v))`` plus
-    one step of about ``2^22`` scores (or one row of ``B n_k`` scores if larger); under
-    autograd the weights of every step are kept, ``O(N B^2)``; and the block-level
-    bookkeeping, ``O(nb_q nb_k)`` indices (the size of the block mask). Never
+    ``O(N B^2 (d + d_v))`` (the dense cost has ``N = nb_q nb_k``); rows (query blocks)
+    selecting different numbers of blocks are grouped by that number, so an uneven mask
+    costs its own ``N``. Extra memory: copies of ``q, k, v`` (padded to whole blocks),
+    ``O(n (d + d_v))``; per step the gathered keys and values, about ``2^22 (d + d_v) /
+    B`` numbers (more only for a row with more than ``2^22 / B^2`` blocks), and, when the
+    step needs a mask per query (the causal diagonal, per-query selection), ``2^22``
+    booleans; the block-level bookkeeping, ``O(nb_q nb_k)`` indices. Under autograd
+    every step keeps its gathered keys and values and its output, ``O(N B (d + d_v))``
+    in all (the fused kernel recomputes the weights in its backward). Never
     ``n_q x n_k`` for ``B > 1``.
-    The dense ``n_q x n_k`` cost is ``N = nb_q nb_k``. Rows (query blocks) selecting
-    different numbers of blocks are grouped by that number, so uneven masks cost their
-    own ``N``.
 
     References: Beltagy et al., "Longformer: the long-document transformer", 2020;
     Zaheer et al., "Big Bird: transformers for longer sequences", NeurIPS 2020.
