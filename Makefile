@@ -155,4 +155,5 @@ serve:
 clean:
 	rm -rf _build .jupyter_cache .pytest_cache .ruff_cache book/_downloads
 	rm -rf assignments/release assignments/submitted assignments/autograded assignments/feedback assignments/gradebook.db
-	rm -rf assignments/grading_reports assignments/grades
+	rm -rf assignments/grading_reports assignments/grades assignments/exchange assignments/downloaded
+	rm -f assignments/gradebook.db-* assignments/*.csv assignments/.nbgrader.log
