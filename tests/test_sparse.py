@@ -146,11 +146,12 @@ def test_block_sparse_gradients_equal_the_reference_and_are_finite_for_empty_row
     q, k, v = (_randn(2, 12, 3, seed=s, requires_grad=True) for s in (23, 24, 25))
     block_mask = _random_block_mask(2, 3, 3, density=0.4, seed=26)
     block_mask[0, 0] = False  # a row that sees nothing
-    grads = torch.autograd.grad(
-        ea.block_sparse_attention(q, k, v, block_mask, block_size=4).square().sum(), (q, k, v))
+    out = ea.block_sparse_attention(q, k, v, block_mask, block_size=4)  # the autograd path
     visible = _token_mask(block_mask, 12, 12, 4)
-    expected = torch.autograd.grad(_masked_reference(q, k, v, visible).square().sum(),
-                                   (q, k, v))
+    reference = _masked_reference(q, k, v, visible)
+    torch.testing.assert_close(out, reference, atol=ATOL, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(reference.square().sum(), (q, k, v))
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         assert torch.isfinite(got).all()
