@@ -12,9 +12,10 @@ reported (``flagged`` by the integrity check, ``repaired`` cell metadata, a cell
 with the reason, e.g. ``kernel killed: memory limit``, a sandbox ``limit`` reached) and
 whether the notebook was graded at all. A part whose answer cells the student left exactly as
 released (``raise NotImplementedError()``, "YOUR ANSWER HERE") and that scored nothing is
-marked ``not attempted`` next to its score (and in the CSV's notes). Its first lines say how the code runs: the sandbox,
-and the time limits (``course_tools/timekeeping.py``: CPU time per cell, a wall-clock ceiling
-for a cell that waits, the ceilings past which the machine, not the student, is at fault).
+marked ``not attempted`` next to its score (and in the CSV's notes). Its first lines say how
+the code runs: the sandbox, and the time limits (``course_tools/timekeeping.py``: CPU time
+per cell, a wall-clock ceiling for a cell that waits, the ceilings past which the machine, not
+the student, is at fault).
 A submission nbgrader could not grade is listed as ``FAILED TO GRADE`` with the reason (the
 course's, e.g. a machine too busy to run it twice, or nbgrader's), and its score is left
 empty in the CSV, never 0;
