@@ -2,7 +2,7 @@
 
 In a scratch copy of the course (``nbgrader_config.py``, ``course_tools/``, ``rules/`` and one
 small assignment, ``argmax_attention``), with a scratch exchange (``NBGRADER_EXCHANGE``) and a
-home folder per person (``HOME``), the module fixture ``cycle`` runs:
+home folder per person (``HOME``), ``run_cycle`` runs:
 
 - the instructor: ``db student import``, ``generate_assignment``, ``release_assignment``;
 - two students through the exchange, each in a folder of their own holding only the book's
@@ -14,11 +14,12 @@ home folder per person (``HOME``), the module fixture ``cycle`` runs:
   ``release_feedback`` (which must refuse, carol having no exchange submission, and say what
   to do), the per-student releases it prints, ``export``.
 
-The tests then check each step's outcome, that every command run is one the README gives,
-that no ``display_data_priority`` warning is printed, and that every file the cycle writes is
-git-ignored and removed by ``make clean``. 16 commands (each nbgrader start takes some 5 s of
-CPU, 3 s of which jsonschema spends building rfc3987_syntax's grammar) and 3 graded notebooks:
-about 2 minutes of one core.
+``test_instructor_cycle`` runs it once, then the ``check_*`` functions: each step's outcome,
+that every command run is one the README gives, that no ``display_data_priority`` warning is
+printed, and that every file the cycle writes is git-ignored and removed by ``make clean``.
+16 commands (each nbgrader start takes some 5 s of CPU, 3 s of which jsonschema spends
+building rfc3987_syntax's grammar) and 3 graded notebooks: about 2 minutes of one core. The
+other tests here cost nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import zipfile
 from pathlib import Path
 
 import nbformat
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = ROOT / "assignments"
@@ -119,9 +119,7 @@ class Cycle:
         return found[-1]
 
 
-@pytest.fixture(scope="module")
-def cycle(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cycle")
+def run_cycle(tmp: Path) -> Cycle:
     run = Cycle(tmp)
     course = run.course
     course.mkdir()
@@ -198,7 +196,7 @@ def _readme_commands() -> list[re.Pattern]:
                                for part in re.split(r"(<[\w ]+>)", c))) for c in commands]
 
 
-def test_every_command_of_the_cycle_is_written_in_the_readme(cycle):
+def check_every_command_of_the_cycle_is_written_in_the_readme(cycle):
     patterns = _readme_commands()
     assert len(patterns) > 10, "the README's commands were not found"
     unwritten = sorted({command for _, command, _ in cycle.runs
@@ -216,7 +214,7 @@ def test_readme_patterns_can_fail():
 
 # --- the students' side -----------------------------------------------------------------------
 
-def test_students_fetch_and_submit_through_the_exchange(cycle):
+def check_students_fetch_and_submit_through_the_exchange(cycle):
     inbound = cycle.exchange / "efficient-attention" / "inbound"
     owners = sorted(p.name.split("+")[0] for p in inbound.iterdir())
     assert owners == ["alice", "bob"], owners
@@ -226,7 +224,7 @@ def test_students_fetch_and_submit_through_the_exchange(cycle):
         assert (submitted / "submission_secret.txt").is_file()
 
 
-def test_student_validate_runs_the_integrity_check(cycle):
+def check_student_validate_runs_the_integrity_check(cycle):
     """alice's validate, with only the book's two files, fails on the function her assignment
     forbids and names it (her own check_notebook.py: students have no course_tools/)."""
     output = cycle.output(f"nbgrader validate {NAME}/{NOTEBOOK}")
@@ -237,7 +235,7 @@ def test_student_validate_runs_the_integrity_check(cycle):
     assert "which this assignment forbids" in output, output[-3000:]
 
 
-def test_released_feedback_is_where_each_students_fetch_feedback_looks(cycle):
+def check_released_feedback_is_where_each_students_fetch_feedback_looks(cycle):
     """``nbgrader fetch_feedback`` (not run here: one more nbgrader start) takes from the
     exchange's feedback/ the file named md5(submission secret + notebook id) of each
     submission in the student's cache: alice's and bob's are there, each their own."""
@@ -279,19 +277,19 @@ EXPECTED_TABLES = {
 }
 
 
-@pytest.mark.parametrize("student", sorted(EXPECTED_TABLES))
-def test_grade_table_marks_parts_not_attempted(cycle, student):
-    assert _table(cycle, student) == EXPECTED_TABLES[student], cycle.output(
-        f"python -m course_tools.grade {NAME}")[-4000:]
-    rows = [r for r in csv.DictReader((cycle.course / "grades" / f"{NAME}.csv").open())
-            if r["student"] == student]
-    assert {r["part"]: r["notes"].startswith("not attempted") for r in rows} == {
-        part: shown.endswith("not attempted") for part, shown in EXPECTED_TABLES[student].items()}
+def check_grade_table_marks_parts_not_attempted(cycle):
+    for student, expected in EXPECTED_TABLES.items():
+        assert _table(cycle, student) == expected, (student, cycle.output(
+            f"python -m course_tools.grade {NAME}")[-4000:])
+        rows = [r for r in csv.DictReader((cycle.course / "grades" / f"{NAME}.csv").open())
+                if r["student"] == student]
+        assert {r["part"]: r["notes"].startswith("not attempted") for r in rows} == {
+            part: shown.endswith("not attempted") for part, shown in expected.items()}, student
 
 
 # --- feedback ---------------------------------------------------------------------------------
 
-def test_release_feedback_refuses_a_partial_release_and_says_what_to_do(cycle):
+def check_release_feedback_refuses_a_partial_release_and_says_what_to_do(cycle):
     result = [r for _, c, r in cycle.runs if c == f"nbgrader release_feedback {NAME}"][0]
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
@@ -309,7 +307,7 @@ def test_release_feedback_refuses_a_partial_release_and_says_what_to_do(cycle):
     assert len(released) == 2, released
 
 
-def test_no_display_data_priority_warning(cycle):
+def check_no_display_data_priority_warning(cycle):
     """nbconvert's HTML exporter configures display_data_priority, which nbgrader's
     preprocessors did not accept: generate_feedback printed the warning twice."""
     warned = [(who, command) for who, command, r in cycle.runs
@@ -318,7 +316,7 @@ def test_no_display_data_priority_warning(cycle):
     assert "HideHiddenTestOutputs" not in cycle.output(f"nbgrader generate_feedback {NAME}")
 
 
-def test_export_writes_every_student(cycle):
+def check_export_writes_every_student(cycle):
     rows = list(csv.DictReader((cycle.course / "grades.csv").open()))
     assert sorted((r["student_id"], r["first_name"], float(r["score"])) for r in rows) == [
         ("alice", "Alice", 7.0), ("bob", "Bob", 1.0), ("carol", "Carol", 2.0)]
@@ -370,7 +368,7 @@ def test_private_files_are_ignored():
         "assignments/nbgrader_config.py", "assignments/rules/x.json"]
 
 
-def test_every_file_the_cycle_writes_is_ignored(cycle):
+def check_every_file_the_cycle_writes_is_ignored(cycle):
     written = _written(cycle)
     for expected in ("assignments/grades.csv", "assignments/gradebook.db",
                      f"assignments/grades/{NAME}.csv", "assignments/students.csv"):
@@ -379,10 +377,12 @@ def test_every_file_the_cycle_writes_is_ignored(cycle):
     assert _not_ignored(written) == []
 
 
-def test_make_clean_removes_every_file_the_cycle_writes(cycle, tmp_path):
+def check_make_clean_removes_every_file_the_cycle_writes(cycle):
     """The Makefile's clean recipe, run in a copy that holds the cycle's course as
     assignments/ (and its exchange as assignments/exchange/), leaves only the course's own
     files (and Python's caches)."""
+    tmp_path = cycle.tmp / "clean"
+    tmp_path.mkdir()
     shutil.copy(ROOT / "Makefile", tmp_path)
     shutil.copytree(cycle.course, tmp_path / "assignments")
     shutil.copytree(cycle.exchange, tmp_path / "assignments" / "exchange")
@@ -394,6 +394,34 @@ def test_make_clean_removes_every_file_the_cycle_writes(cycle, tmp_path):
                   if p.is_file() and "__pycache__" not in p.parts
                   and p.relative_to(tmp_path / "assignments").parts[0] not in INPUTS)
     assert left == [], f"make clean leaves {left}"
+
+
+# --- the one test that runs the cycle -----------------------------------------------------------
+
+CHECKS = [check_every_command_of_the_cycle_is_written_in_the_readme,
+          check_students_fetch_and_submit_through_the_exchange,
+          check_student_validate_runs_the_integrity_check,
+          check_grade_table_marks_parts_not_attempted,
+          check_release_feedback_refuses_a_partial_release_and_says_what_to_do,
+          check_released_feedback_is_where_each_students_fetch_feedback_looks,
+          check_no_display_data_priority_warning,
+          check_export_writes_every_student,
+          check_every_file_the_cycle_writes_is_ignored,
+          check_make_clean_removes_every_file_the_cycle_writes]
+
+
+def test_instructor_cycle(tmp_path_factory):
+    """The cycle, then every check on what it did, failures reported together. One test, not
+    one per check: under ``make test`` (xdist, --dist loadgroup) the tests of a file go to
+    different workers (tests/conftest.py), and each would run the cycle again."""
+    cycle = run_cycle(tmp_path_factory.mktemp("cycle"))
+    failures = []
+    for check in CHECKS:
+        try:
+            check(cycle)
+        except AssertionError as error:
+            failures.append(f"{check.__name__}: {error}")
+    assert not failures, "\n\n".join(failures)
 
 
 # --- "not attempted", without nbgrader --------------------------------------------------------
