@@ -57,7 +57,8 @@ setup: $(STAMP)
 # The student versions of the assignments, shipped with the book (regenerated only when a
 # source notebook changes, so that a second `make book` stays fast).
 RELEASES := book/_downloads/assignments/list.md
-$(RELEASES): $(STAMP) $(SOURCES) assignments/release_for_book.py
+$(RELEASES): $(STAMP) $(SOURCES) assignments/release_for_book.py assignments/nbgrader_config.py \
+             assignments/course_tools/integrity.py $(wildcard assignments/rules/*.json)
 	$(BIN)/python assignments/release_for_book.py
 
 # The library as a wheel, offered for download by the book (book/intro.md) so that a chapter's

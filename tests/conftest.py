@@ -44,7 +44,8 @@ ALONE_IN_WHOLE_FILES = ("test_sandbox_alone_holds", "test_sandboxed_kernel_direc
 # browser checks, which may first install Chromium), then the benchmark scripts' quick runs
 # (tens of seconds), the notebooks (seconds), and the unit tests (milliseconds), which fill
 # the gaps at the end.
-COST_RANKS = (("tests/test_grading.py", "tests/test_sandbox.py", "tests/test_browser.py"),
+COST_RANKS = (("tests/test_grading.py", "tests/test_sandbox.py", "tests/test_browser.py",
+               "tests/test_instructor_cycle.py"),
               ("tests/test_benchmark",))
 # Last of all: the grading under load (tests/test_grading_load.py), whose CPU-bound processes
 # would slow every test running beside them.
