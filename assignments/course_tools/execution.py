@@ -41,6 +41,7 @@ from nbclient.util import run_sync
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
+from . import runtime_guard
 from .channels import DROPPED
 from .limits import LIMIT_SIGNS, limits_in_outputs, payload_size
 from .preprocessors import CourseStep, _meta
@@ -285,6 +286,10 @@ class GuardedExecute(Execute):
         stopped: dict[int, str] = {}
         originals = {}
         self._roles = cell_roles(nb.cells)
+        # The runtime guard (course_tools/runtime_guard.py, the run-time half of the integrity
+        # check) is installed in each kernel at its start, before the setup cell: nbclient
+        # passes these arguments (IPKernelApp.exec_lines) to the kernel command.
+        self.extra_arguments = runtime_guard.kernel_arguments(self, nb, resources)
         lock, alone = GradingLock(self.lock_path), False
         while True:
             work = copy.deepcopy(nb)
