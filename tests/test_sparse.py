@@ -120,6 +120,7 @@ def test_uneven_rows_global_blocks_and_many_steps(monkeypatch):
     import efficient_attention.sparse.block_sparse as block_sparse
 
     monkeypatch.setattr(block_sparse, "_SCORES_PER_STEP", 64)  # one row per step
+    monkeypatch.setattr(block_sparse, "_MASKED_SCORES_PER_STEP", 64)
     n, block = 70, 8
     q, k, v = (_randn(2, n, 4, seed=s) for s in (16, 17, 18))
     block_mask = ea.longformer_block_mask(n, block_size=block, window=1, num_global=1)
@@ -569,10 +570,11 @@ def _largest(fn, grad=False):
 
 def test_sparse_functions_never_allocate_n_by_n():
     """At n = 4096 with 1/8 of the blocks selected, no storage reaches n^2 / 4 elements,
-    forward or backward (the scores are made a step of at most 2^22 = n^2 / 4 at a time;
-    a global row costs its own keys, not every row's): a dense implementation allocates
-    n^2, and so does one that pads every row to the longest (the Longformer mask has a
-    global row), so the test tells them apart."""
+    forward or backward (the scores are never stored, the gathered keys hold N B d numbers
+    for N selected block pairs, a causal mask N B^2 booleans, and a global row costs its
+    own keys, not every row's): a dense implementation allocates n^2, and so does one that
+    pads every row to the longest (the Longformer mask has a global row), so the test
+    tells them apart."""
     n, d, block = 4096, 16, 64
     q, k, v = (_randn(1, n, d, seed=s, dtype=torch.float32) for s in (67, 68, 69))
     nb = n // block

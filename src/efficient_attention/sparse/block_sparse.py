@@ -16,14 +16,15 @@ that expands ``M`` to tokens (:func:`block_mask_to_token_mask`); a query with ``
 empty outputs zeros, as there.
 
 How: rows (pairs batch element x query block) are sorted by the number ``S`` of blocks
-they select and grouped into steps of rows with the same ``S``, about ``2^22`` scores per
-step. In a step, the selected key blocks of every row are gathered into one
-``(S B) x d`` matrix of keys (and of values), and the step is one call of PyTorch's
-fused ``scaled_dot_product_attention`` on ``(rows, 1, B, d)`` queries against those
-``(rows, 1, S B, d)`` keys (on CPU its flash kernel: online softmax over tiles, the
-scores never stored; a bool mask hides padding and, in the diagonal block, the future).
-A global row that selects every block (Longformer, BigBird) costs its own ``n_k`` keys,
-and no row pays for another's; nothing of size ``n_q x n_k`` is ever formed.
+they select and grouped into steps of rows with the same ``S``, about ``2^24`` scores per
+step (``2^22`` with a mask per query). In a step, the selected key blocks of every row
+are gathered into one ``(S B) x d`` matrix of keys (and of values), and the step is one
+call of PyTorch's fused ``scaled_dot_product_attention`` on ``(rows, 1, B, d)`` queries
+against those ``(rows, 1, S B, d)`` keys (on CPU its flash kernel: online softmax over
+tiles, the scores never stored; a bool mask hides padding and, in the diagonal block,
+the future). A global row that selects every block (Longformer, BigBird) costs its own
+``n_k`` keys, and no row pays for another's; nothing of size ``n_q x n_k`` is ever
+formed.
 
 References: the block masks of Longformer (Beltagy et al. 2020), BigBird (Zaheer et al.
 2020) and sparse transformers (Child et al. 2019); the gather-per-block-row layout is
@@ -51,12 +52,15 @@ from .._padding import zero_padded_rows, zeros_like_result
 
 __all__ = ["block_sparse_attention", "block_mask_to_token_mask"]
 
-# Work per step, in scores (rows x B x S B): 2^22, for which the gathered keys and values
-# take 2^22 (d + d_v) / B numbers (16 MiB in float32 for d = d_v = B / 2). Fewer, larger
-# steps wait less at the barriers that end every parallel operation (on two threads of a
-# busy machine, 2^22 took half the time of 2^20); one thread timed 2^18 to 2^22 alike.
-_SCORES_PER_STEP = 2**22
-
+# Work per step, in scores (rows x B x S B): 2^24, for which the gathered keys and values
+# take 2^24 (d + d_v) / B numbers (32 MiB each in float32 for d = d_v = B / 2); 2^22 when
+# the step needs a mask per query (causal, per-query selection), a bool per score that the
+# fused kernel turns into a float one. On two threads of a busy machine (n = 16384, 4 heads,
+# B = 128, 1/8 of the blocks), steps of 2^24 took 1.27 to 1.39 s against 1.58 to 2.0 s for
+# 2^22 (fewer steps, fewer barriers at the end of parallel operations); one thread timed
+# them alike.
+_SCORES_PER_STEP = 2**24
+_MASKED_SCORES_PER_STEP = 2**22
 
 def num_blocks(n: int, block_size: int) -> int:
     """``ceil(n / block_size)``: blocks of a sequence of ``n`` tokens, the last may be short."""
@@ -108,10 +112,11 @@ def _gather(blocks, flat, buffers, name):
     return torch.index_select(rows, 0, flat, out=buffer[:flat.shape[0]])
 
 
-def _step(q_rows, kb, vb, key_ok, ids, rows, row_query_mask, causal, nb_q, nb_k, block_size,
-          scale, buffers):
-    """One step: query-block rows ``rows (R,)``, each with the ``S`` key blocks ``ids (R, S)``
-    (flat indices into ``kb``, increasing). Returns ``(R, B, d_v)``."""
+def _step(q_rows, kb, vb, key_ok, ids, diagonal, row_query_mask, nb_k, block_size, scale,
+          buffers):
+    """One step: ``R`` query-block rows, each with the ``S`` key blocks ``ids (R, S)`` (flat
+    indices into ``kb``, increasing); ``diagonal``: each row's last block is its own
+    (causal: masked per token). Returns ``(R, B, d_v)``."""
     rows_count, slots = ids.shape
     flat = ids.reshape(-1)
     keys = _gather(kb, flat, buffers, "keys").view(rows_count, 1, slots * block_size, -1)
@@ -121,16 +126,11 @@ def _step(q_rows, kb, vb, key_ok, ids, rows, row_query_mask, causal, nb_q, nb_k,
     if key_ok is not None:  # padding, and the missing keys of a short last block
         ok = key_ok.index_select(0, flat).view(rows_count, 1, 1, slots * block_size)
         allowed = ok
-    if causal and bool((ids[:, -1] % nb_k == rows % nb_q).any()):
-        # A diagonal block (the last one of its row, when selected): one comparison of
-        # positions, hidden keys put past every query.
-        offsets = torch.arange(block_size, device=ids.device)
-        key_pos = ((ids % nb_k) * block_size).unsqueeze(-1) + offsets  # (R, S, B)
-        key_pos = key_pos.view(rows_count, 1, 1, -1)
-        if ok is not None:
-            key_pos = key_pos.masked_fill(~ok, nb_k * block_size)
-        query_pos = ((rows % nb_q) * block_size).unsqueeze(-1) + offsets  # (R, B)
-        allowed = key_pos <= query_pos.view(rows_count, 1, block_size, 1)
+    if diagonal:  # the same for every row: the earlier blocks whole, the last one causal
+        allowed_diagonal = torch.ones(block_size, slots * block_size, dtype=torch.bool,
+                                      device=ids.device)
+        allowed_diagonal[:, -block_size:].tril_()
+        allowed = allowed_diagonal if allowed is None else allowed & allowed_diagonal
     if row_query_mask is not None:  # per-query selection among the row's blocks
         picked = row_query_mask.gather(-1, (ids % nb_k).unsqueeze(1).expand(-1, block_size, -1))
         picked = picked.repeat_interleave(block_size, -1).unsqueeze(1)  # (R, 1, B, S B)
@@ -184,8 +184,15 @@ def _block_sparse(q, k, v, block_mask, mask, query_mask, batch, block_size, caus
     order = torch.argsort((~selected).to(torch.uint8), dim=-1, stable=True)
     base = torch.arange(size, device=q.device).repeat_interleave(nb_q) * nb_k
     ids_all = order + base.unsqueeze(-1)
-    rows_by_count = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[rows_by_count].tolist()
+    # Rows sorted by count and, when causal, whether their own block is selected (the
+    # last one then, masked per token): each step takes rows of one kind.
+    kind = counts * 2
+    if causal:
+        own = torch.arange(size * nb_q, device=q.device) % nb_q
+        kind = kind + selected.gather(-1, own.unsqueeze(-1)).squeeze(-1)
+    rows_by_count = torch.argsort(kind, descending=True, stable=True)
+    sorted_kinds = kind[rows_by_count].tolist()
+    sorted_counts = [value // 2 for value in sorted_kinds]
     start, total = 0, size * nb_q
     busy = total - sorted_counts.count(0)  # rows that select at least one block
     if busy == 0:  # no block selected anywhere
@@ -195,21 +202,23 @@ def _block_sparse(q, k, v, block_mask, mask, query_mask, batch, block_size, caus
     qb, ids_all = qb[rows_busy], ids_all[rows_busy]
     if row_queries is not None:
         row_queries = row_queries[rows_busy]
-    run_end = {}  # count -> the end of its run of rows (counts decrease along the list)
-    for position, count in enumerate(sorted_counts[:busy]):
-        run_end[count] = position + 1
+    run_end = {}  # kind -> the end of its run of rows (kinds decrease along the list)
+    for position, value in enumerate(sorted_kinds[:busy]):
+        run_end[value] = position + 1
     # Without autograd, gather into reused buffers and write each step in place.
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     buffers = None if grad else {}
     outs = [] if grad else None
     out = None if grad else qb.new_zeros(total, block_size, d_v)  # rows without keys: 0
-    while start < busy:  # each step: rows of one count (no unused slot), about a budget
-        slots = sorted_counts[start]
-        step = max(1, _SCORES_PER_STEP // (slots * block_size * block_size))
-        part = slice(start, min(start + step, run_end[slots]))
-        result = _step(qb[part], kb, vb, key_ok, ids_all[part, :slots], rows_busy[part],
-                       None if row_queries is None else row_queries[part], causal, nb_q, nb_k,
-                       block_size, d ** -0.5, buffers)
+    per_query_mask = row_queries is not None or (causal and key_ok is not None)
+    budget = _MASKED_SCORES_PER_STEP if per_query_mask else _SCORES_PER_STEP
+    while start < busy:  # each step: rows of one kind (no unused slot), about a budget
+        slots, diagonal = divmod(sorted_kinds[start], 2)
+        step = max(1, budget // (slots * block_size * block_size))
+        part = slice(start, min(start + step, run_end[sorted_kinds[start]]))
+        result = _step(qb[part], kb, vb, key_ok, ids_all[part, :slots], bool(diagonal),
+                       None if row_queries is None else row_queries[part], nb_k, block_size,
+                       d ** -0.5, buffers)
         if grad:
             outs.append(result)
         else:
@@ -273,13 +282,13 @@ def block_sparse_attention(
     ``O(N B^2 (d + d_v))`` (the dense cost has ``N = nb_q nb_k``); rows (query blocks)
     selecting different numbers of blocks are grouped by that number, so an uneven mask
     costs its own ``N``. Extra memory: copies of ``q, k, v`` (padded to whole blocks),
-    ``O(n (d + d_v))``; per step the gathered keys and values, about ``2^22 (d + d_v) /
-    B`` numbers (more only for a row with more than ``2^22 / B^2`` blocks), and, when the
-    step needs a mask per query (the causal diagonal, per-query selection), ``2^22``
-    booleans; the block-level bookkeeping, ``O(nb_q nb_k)`` indices. Under autograd
-    every step keeps its gathered keys and values and its output, ``O(N B (d + d_v))``
-    in all (the fused kernel recomputes the weights in its backward). Never
-    ``n_q x n_k`` for ``B > 1``.
+    ``O(n (d + d_v))``; per step the gathered keys and values, about ``2^24 (d + d_v) /
+    B`` numbers (more only for a row with more than ``2^24 / B^2`` blocks), or, when the
+    step needs a mask per query (causal, per-query selection), ``2^22 (d + d_v) / B``
+    numbers and ``2^22`` booleans (floats inside the fused kernel); the block-level
+    bookkeeping, ``O(nb_q nb_k)`` indices. Under autograd every step keeps its gathered
+    keys and values and its output, ``O(N B (d + d_v))`` in all (the fused kernel
+    recomputes the weights in its backward). Never ``n_q x n_k`` for ``B > 1``.
 
     References: Beltagy et al., "Longformer: the long-document transformer", 2020;
     Zaheer et al., "Big Bird: transformers for longer sequences", NeurIPS 2020.
