@@ -173,6 +173,9 @@ def kernel_arguments(step, nb, resources) -> list[str]:
 # --------------------------------------------------------------------------------------------
 HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by Python code (static C types are not)
 CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth")
+# what collections.namedtuple puts in a class (a typing.NamedTuple may be an answer's result)
+NAMEDTUPLE_METHODS = {"__new__", "_make", "_replace", "__repr__", "_asdict", "__getnewargs__",
+                      "__getstate__"}
 # IPython puts these in builtins; they are not Python's
 IPYTHON_BUILTINS = {"display", "get_ipython", "__IPYTHON__", "__IPYTHON__active"}
 # Attribute reads that hand out frames or code (audited as object.__getattr__)
@@ -275,6 +278,7 @@ class _Guard:
         self.genuine_check = None
         self.wrapped: dict[str, tuple] = {}
         self.trusted_shadows: dict[str, object] = {}
+        self.type_verdicts: dict = {}  # class -> library_type
         self.handlers = {"compile": self.on_compile, "exec": self.on_exec,
                          "open": self.on_open, "import": self.on_import,
                          "marshal.loads": self.on_marshal, "marshal.load": self.on_marshal,
@@ -637,20 +641,58 @@ class _Guard:
 
     # --- library types: what a test may receive -----------------------------------------
     def library_type(self, cls) -> bool:
-        for klass in cls.__mro__:
-            if not klass.__flags__ & HEAPTYPE:
-                continue  # a static C type: no Python code in it
+        """A class whose every class is Python's or a library's: static C types, and classes
+        found under their name in a library module (or local to a library function) whose
+        functions are all library code (none put there by the notebook since)."""
+        return all(self.library_class(k) for k in cls.__mro__)
+
+    def library_class(self, klass) -> bool:
+        if not klass.__flags__ & HEAPTYPE:
+            return True  # a static C type: no Python code in it, and it cannot be changed
+        named = self.type_verdicts.get(klass)
+        if named is None:
             module = sys.modules.get(getattr(klass, "__module__", None))
-            if (klass.__module__ == "__main__" and klass.__name__ in self.answer_classes
-                    and self.user_ns.get(klass.__name__) is klass):
-                continue  # a class the assignment asks for
-            if module is None or module is sys.modules.get("__main__") or not self.library_path(
-                    getattr(module, "__file__", None)):
+            named = module is not None and module is not sys.modules.get("__main__") and (
+                self.library_path(getattr(module, "__file__", None)))
+            if named:
+                found = module
+                for part in klass.__qualname__.split("."):
+                    found = getattr(found, part, None)
+                named = found is klass or "<locals>" in klass.__qualname__
+            self.type_verdicts[klass] = named
+        return named and self.functions_trusted(klass)
+
+    def functions_trusted(self, klass) -> bool:
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            code = getattr(value, "__code__", None) if isinstance(
+                value, types.FunctionType) else None
+            if code is not None and not (self.code_trust.get(code, True)
+                                         and self.file_trusted(code.co_filename)):
                 return False
-            found = module
-            for part in klass.__qualname__.split("."):
-                found = getattr(found, part, None)
-            if found is not klass:
+        return True
+
+    def allowed_result_type(self, cls) -> bool:
+        """What an answer may return: library types, and of the notebook's classes the
+        assignment's own classes, torch modules and plain named tuples (typing.NamedTuple,
+        with nothing of their own but what namedtuple makes)."""
+        if self.library_type(cls):
+            return True
+        torch = sys.modules.get("torch")
+        if torch is not None and issubclass(cls, torch.nn.Module):
+            return True
+        for klass in cls.__mro__:
+            if self.library_class(klass):
+                continue
+            if klass.__module__ == "__main__" and klass.__name__ in self.answer_classes:
+                continue
+            own = {k for k, v in vars(klass).items() if callable(v) or isinstance(
+                v, (staticmethod, classmethod, property))}
+            if not (issubclass(klass, tuple) and hasattr(klass, "_fields")
+                    and own <= NAMEDTUPLE_METHODS):
                 return False
         return True
 
@@ -660,7 +702,7 @@ class _Guard:
             return
         if depth > 8:
             return
-        if not self.library_type(kind):
+        if not self.allowed_result_type(kind):
             raise GuardError(f"the grader refuses this: {what} is an object of {kind.__qualname__}"
                              ", a class defined in the notebook; answers return tensors, "
                              "numbers and containers of them")
@@ -963,6 +1005,14 @@ class _Guard:
         self.sys_hooks = {name: getattr(sys, name) for name in
                           ("displayhook", "excepthook", "stdout", "stderr", "stdin")}
 
+    @staticmethod
+    def is_method(cls, name: str) -> bool:
+        for klass in cls.__mro__:
+            if name in vars(klass):
+                return isinstance(vars(klass)[name], (types.FunctionType, staticmethod,
+                                                      classmethod))
+        return False
+
     def restore_shell(self) -> None:
         """IPython's transformers and callbacks, the kernel's handlers, the instance
         attributes of the shell and kernel, as they were at the kernel's start."""
@@ -980,7 +1030,7 @@ class _Guard:
         for obj, attributes in self.instances:
             current = vars(obj)
             for key in [k for k in current if k not in attributes]:
-                if hasattr(type(obj), key):  # a method shadowed on the instance
+                if self.is_method(type(obj), key):  # a method shadowed on the instance
                     del current[key]
             for key, value in attributes.items():
                 if current.get(key, _MISSING) is not value and key in (

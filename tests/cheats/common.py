@@ -3,8 +3,11 @@
 Each attack is a snippet appended to an honest answer cell: the integrity check must reject
 the cell (so the parts that use what it defines score zero) although the answer itself is
 right. ``RUNTIME_TAMPER`` slips through the static check on purpose (a module passed as an
-argument): the tests' ``_grader.check()`` must catch it. Dependencies between cells are found
-from the names each code cell defines and uses, so the expected scores follow the notebook.
+argument): the grading kernel's runtime guard (assignments/course_tools/runtime_guard.py)
+refuses it where it runs, at the top of the last answer cell, so that cell defines nothing and
+the parts that use it score zero (were it let through, the tests' ``_grader.check()`` would
+fail every test after it). Dependencies between cells are found from the names each code
+cell defines and uses, so the expected scores follow the notebook.
 """
 
 from __future__ import annotations
@@ -134,13 +137,6 @@ def dependent_tests(nb, broken: set[str]) -> set[str]:
     return lost
 
 
-def checked_tests_after(nb, gid: str) -> set[str]:
-    """Test cells after cell ``gid`` that start by verifying the libraries (``check()``)."""
-    index = nb.cells.index(find(nb, gid))
-    return {grade_id(c) for c in nb.cells[index + 1:] if is_test(c)
-            and "_grader.check()" in c.source}
-
-
 def first_function(source: str) -> str | None:
     tree = ast.parse(source)
     return next((n.name for n in tree.body if isinstance(n, ast.FunctionDef)), None)
@@ -163,8 +159,8 @@ def cheater(source, offset: int = 0):
     lost = dependent_tests(source, attacked)
     last = cells[-1]
     if len(cells) > 2 and grade_id(last) not in attacked:
-        last.source += "\n\n\n" + RUNTIME_TAMPER + "\n"
-        lost |= checked_tests_after(source, grade_id(last))
+        last.source = RUNTIME_TAMPER + "\n\n\n" + last.source
+        lost |= dependent_tests(source, {grade_id(last)})
         used.append("runtime-tamper")
     warned = first_function(cells[0].source)
     if warned:
