@@ -61,6 +61,9 @@ ATTACKS = [
     ("write-code", "np.zeros(2).tofile('module.py')\n", "opens Python code"),
     ("module-attribute", "def _replace(module):\n    module.TorchDispatchMode = None\n"
      "_replace(torch.utils._python_dispatch)\n", "an attribute of a module"),
+    ("module-attribute-copy", D + "class _R:\n    def __reduce_ex__(self, protocol):\n"
+     "        return (_dotted('builtins.setattr'), (torch.testing, 'assert_close', print))\n"
+     "_dotted('copy.copy')(_R())\n", "an attribute of a module"),
     ("builtins-attribute", D + "_dotted('builtins.setattr')(_dotted('builtins'), 'abs', None)\n",
      "builtins.abs"),
     ("grader-tools", D + "_dotted('builtins.setattr')(type(_dotted('__main__._grader')), "
@@ -70,6 +73,10 @@ ATTACKS = [
     ("rebind-grader", LENIENT + WRONG + D + "_dotted('builtins.setattr')(_dotted('__main__'), "
      "'_gra' + 'der', _Lenient())\n", "TEST:AssertionError"),
     ("rebind-builtins", WRONG + "__builtins__ = {'print': print}\n", "TEST:AssertionError"),
+    ("ipython-callback", LENIENT + WRONG + D + "def _rebind(*args):\n"
+     "    _dotted('builtins.setattr')(_dotted('__main__'), '_gra' + 'der', _Lenient())\n"
+     "_dotted('IPython.get_ipython')().events.register('pre_run_cell', _rebind)\n",
+     "TEST:AssertionError"),
     # what the answers give back, and do to what the tests give them
     ("lying-tensor", "class _Liar(torch.Tensor):\n    pass\ndef double(x):\n"
      "    return (x * 3).as_subclass(_Liar)\n", "TEST:GuardError"),
@@ -129,6 +136,7 @@ def _cells() -> list[str]:
         "torch.save({'w': torch.ones(2)}, 'mine.pt')\nprint(torch.load('mine.pt')['w'].sum())\n"
         "with open('notes.txt', 'w') as handle:\n    handle.write('mine')\n",
         "import torch.nn.functional as F\nprint(F.softmax(torch.zeros(2), dim=0))\n",
+        "plt.figure()\n_ = plt.plot([1, 2])\nplt.close('all')\n",  # matplotlib sets its backend
     ]
     return cells
 
@@ -140,7 +148,7 @@ def guarded(tmp_path_factory):
 
 def test_honest_answers_pass(guarded):
     assert "TEST PASSED" in _text(guarded[1]), _text(guarded[1])
-    tail = guarded[-4:]
+    tail = guarded[-5:]
     assert all(o.output_type != "error" for cell in tail for o in cell.outputs), [
         _text(c) for c in tail]
     assert "TEST PASSED" in _text(tail[1])

@@ -13,17 +13,19 @@ Whose code is it? Every frame is *trusted* (the instructor's cells: setup, grade
 tests, demonstrations, recognised by the fingerprint of their source as IPython compiles
 them; Python's and the environment's own files; code the libraries generate) or not (the
 student's cells, files written next to the notebook). A rule applies when an untrusted frame
-is on the stack (anywhere, or as the direct caller: see each rule), so a library doing its
-own work lazily for a student (importing, compiling its modules, opening its data files) is
-never refused.
+is on the stack: anywhere, or near (the direct caller, or the caller of a library function
+the student's code called directly), as each rule says; so a library doing its own work
+lazily for a student (importing, compiling its modules, opening its data files) is not
+refused.
 
 Refused from student code (audit events):
 
 - imports of modules outside the assignment's allowed ones (``builtins.__import__`` wrapped:
   the importing frame must be trusted, or the module allowed) and of code outside the
   libraries (a ``.py``, ``.pyc`` or extension module written next to the notebook);
-- ``exec``/``eval``/``compile`` of anything but library code, ``marshal.loads``, building
-  code or functions (``code.__new__``, ``function.__new__``);
+- ``exec``/``eval``/``compile`` near the student's code (code generated deeper down while it
+  runs counts as the student's from then on), ``marshal.loads`` of anything but library
+  bytecode, building code or functions (``code.__new__``, ``function.__new__``);
 - frames and tracing: ``sys._getframe`` (by the student's code or by a library function it
   calls directly, e.g. ``inspect.currentframe``), ``sys._current_frames``, ``tb_frame``,
   ``gi_frame``, ``f_code``, ``__code__``, ``sys.settrace``, ``sys.setprofile``,
@@ -35,14 +37,17 @@ Refused from student code (audit events):
 - running programs (``subprocess``, ``os.system``, ``os.exec*``, ``os.posix_spawn``,
   ``os.spawn*``); ``os.fork`` stays with the sandbox (its process limit, the stray-process
   stop at each cell's end), the child keeps this guard;
-- starting threads (``_thread.start_new_thread``), setting ``__class__``.
+- setting ``__class__``.
 
-Refused from student code (wrappers, installed here): signal handlers and timers
-(``signal.signal``, ``setitimer``, ``alarm``, ...), ``atexit.register``, attribute writes on
-modules (every plain module's class becomes ``GuardedModule``, whose ``__setattr__`` and
-``__delattr__`` refuse them: ``torch.utils._python_dispatch.TorchDispatchMode = Fake`` through
-a function parameter). The grader tools (``_grader``) become a frozen object: a class with no
-instance dictionary whose metaclass refuses attribute writes.
+Refused from student code (wrappers, installed here; Python 3.11 audits none of these):
+threads (``_thread.start_new_thread``), signal handlers and timers (``signal.signal``,
+``setitimer``, ``alarm``, ...), ``atexit.register``, ``ctypes.memmove``/``memset``, attribute
+writes on modules (every plain module's class becomes ``GuardedModule``, whose
+``__setattr__`` and ``__delattr__`` refuse them near the student's code, and below it to a
+library writing another package's module outside an import:
+``torch.utils._python_dispatch.TorchDispatchMode = Fake`` through a function parameter).
+The grader tools (``_grader``) become a frozen object: a class with no instance dictionary
+whose metaclass refuses attribute writes.
 
 At cell boundaries (IPython's ``pre_run_cell`` and ``post_run_cell``): before every trusted
 cell the setup cell's names, ``_grader`` and ``__builtins__`` are put back, names shadowing
@@ -51,18 +56,24 @@ the student's still running is reported; during a trusted cell each answer funct
 top-level function of the source's answer cells) is wrapped: it may not modify the tensors,
 lists and dicts the test passes in, not leave a dispatch or function mode active, and not
 return an object of a class defined in the notebook (a Tensor subclass, an object with its
-own ``__eq__``, ``__bool__``, ``__float__``, ``__array__``, ...); ``_grader``'s comparisons
-refuse such objects and an active mode too. After every trusted cell the names, the frozen
-tools and ``_grader.check()`` are verified (an error in that cell otherwise: the test fails);
-after every cell IPython's input and AST transformers, its event callbacks and the kernel's
-message handlers are put back.
+own ``__eq__``, ``__bool__``, ``__float__``, ``__array__``, ...; torch modules, plain named
+tuples and the assignment's own classes are fine) or of a library class whose functions the
+notebook replaced; ``_grader``'s comparisons refuse such objects and an active mode too.
+After every trusted cell the names, the frozen tools and ``_grader.check()`` are verified (an
+error in that cell otherwise: the test fails);
+after every cell the student's input and AST transformers and event callbacks are removed
+from IPython, and the kernel's message handlers are put back.
 
 What it does not close: code that gets hold of arbitrary attributes through a library (a
 string-driven ``getattr`` such as ``operator.attrgetter``, reached through a library's module
 attributes) can still read and rewrite plain Python objects no audit event covers: the
 namespace of the notebook (``function.__globals__``: the hidden tests' variables while a test
-runs), module and class dictionaries (``__dict__``), closures, the IPython shell and kernel
-objects between two of the guard's checks.
+runs, or the objects a test creates, such as its operator counter), module and class
+dictionaries (``__dict__``), closures, the IPython shell and kernel objects between two of
+the guard's checks; memory through numpy's ``as_strided`` (no bounds check) or ctypes
+functions called through raw addresses; a dispatch mode the student pops and pushes back
+during their call (the tests' operator counts); ``os.fork`` children (contained by the
+sandbox, not by this guard).
 
 This file uses the standard library only: the grader passes its source to the kernel, which
 cannot see the course folder (``kernel_arguments``).
@@ -608,14 +619,17 @@ class _Guard:
         return guarded
 
     def check_module_write(self, module, name):
-        """Refused to the student's code (or a library function it calls directly), and to
-        any code while the student's is on the stack, except during an import (a library
-        initialising its own modules lazily)."""
+        """Refused near the student's code (it, or a library function it calls directly), and
+        while the student's code is anywhere below, to a library writing another package's
+        module (copy.copy, unittest.mock on the student's behalf); a library setting its
+        own state lazily (matplotlib choosing its backend) or during an import is fine."""
         frame = self.caller(2)
         if frame is None or frame.f_globals is GUARD_GLOBALS or self.is_importlib(frame):
             return
         bad = self.near_caller(frame)
-        if bad is None and not self.import_depth:
+        writer = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+        target = str(getattr(module, "__name__", "")).partition(".")[0]
+        if bad is None and not self.import_depth and writer != target:
             bad = self.untrusted_frame(frame)
         if bad is not None:
             self.refuse(f"changes {getattr(module, '__name__', '?')}.{name}, an attribute of "
@@ -927,6 +941,10 @@ class _Guard:
             self.genuine["_grader"] = frozen
         for name in self.builtin_names & set(ns) - self.initial_names:
             self.trusted_shadows[name] = ns[name]
+        for name in ("path", "meta_path", "path_hooks"):  # what the libraries added
+            kept = self.sys_lists[name]
+            kept += [item for item in getattr(sys, name) if item not in kept and (
+                self.library_path(item) if isinstance(item, str) else not self.students(item))]
 
     def freeze(self, tools):
         """The grader tools as a frozen object: a class without instance dictionary whose
@@ -1013,20 +1031,35 @@ class _Guard:
                                                       classmethod))
         return False
 
+    def students(self, item) -> bool:
+        """An input transformer, AST transformer or event callback of the student's code."""
+        function = getattr(item, "__func__", item)
+        if isinstance(function, types.FunctionType):
+            code = function.__code__
+            return not (self.code_trust.get(code, True) and self.file_trusted(code.co_filename))
+        if isinstance(item, type):
+            return not self.library_type(item)
+        return not self.library_type(type(item))
+
     def restore_shell(self) -> None:
-        """IPython's transformers and callbacks, the kernel's handlers, the instance
-        attributes of the shell and kernel, as they were at the kernel's start."""
+        """IPython's transformers and event callbacks without those of the student's code
+        (the libraries' stay: matplotlib's inline backend registers its own); the kernel's
+        handlers and the shell's and kernel's instance attributes as at the kernel's start."""
         for owner, name, value, items in self.shell_lists:
             if getattr(owner, name, None) is not value:
                 object.__setattr__(owner, name, value)
-            if value != items:
-                value[:] = items
+            if any(self.students(item) for item in value) or any(
+                    item not in value for item in items):
+                value[:] = [item for item in value if not self.students(item)] + [
+                    item for item in items if item not in value]
         events = getattr(self.shell, "events", None)
         for key, (value, items) in self.event_lists.items():
             if events is not None and events.callbacks.get(key) is not value:
                 events.callbacks[key] = value
-            if value != items:
-                value[:] = items
+            if any(self.students(item) for item in value) or any(
+                    item not in value for item in items):
+                value[:] = [item for item in value if not self.students(item)] + [
+                    item for item in items if item not in value]
         for obj, attributes in self.instances:
             current = vars(obj)
             for key in [k for k in current if k not in attributes]:
