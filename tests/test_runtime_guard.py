@@ -137,6 +137,9 @@ def _cells() -> list[str]:
         "with open('notes.txt', 'w') as handle:\n    handle.write('mine')\n",
         "import torch.nn.functional as F\nprint(F.softmax(torch.zeros(2), dim=0))\n",
         "plt.figure()\n_ = plt.plot([1, 2])\nplt.close('all')\n",  # matplotlib sets its backend
+        # numpy's C code imports os for itself, with the caller's globals
+        "def _round_trip():\n    np.arange(3.0).tofile('a.bin')\n    return np.fromfile('a.bin')\n"
+        "print(_round_trip().sum())\n",
     ]
     return cells
 
@@ -148,11 +151,12 @@ def guarded(tmp_path_factory):
 
 def test_honest_answers_pass(guarded):
     assert "TEST PASSED" in _text(guarded[1]), _text(guarded[1])
-    tail = guarded[-5:]
+    tail = guarded[-6:]
     assert all(o.output_type != "error" for cell in tail for o in cell.outputs), [
         _text(c) for c in tail]
     assert "TEST PASSED" in _text(tail[1])
     assert "3" in _text(tail[2]) and "2." in _text(tail[2])
+    assert "3.0" in _text(tail[5])
 
 
 @pytest.mark.parametrize("index", range(len(ATTACKS)), ids=[a[0] for a in ATTACKS])
