@@ -15,6 +15,7 @@ Cost: three kernel starts (torch imported in each), about a minute.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -252,3 +253,25 @@ def test_cheat_files_cover_every_attack_class():
             assert case["must_fail"], case["name"]
     honest = [case for case in cases if case["name"].startswith("honest-")]
     assert len(honest) >= 3 and all(not case["must_fail"] for case in honest)
+
+
+def test_guard_error_keeps_its_name_in_hidden_test_feedback():
+    """The feedback of a hidden test shows only the error's type, and only a known one (else
+    "Exception"): the guard's refusal must show as GuardError, as the student's message says."""
+    from course_tools import preprocessors
+
+    hidden = nbformat.v4.new_code_cell(
+        "_grader.check()\n### BEGIN HIDDEN TESTS\nassert double(1) == 2\n### END HIDDEN TESTS\n",
+        metadata={"nbgrader": {"grade": True, "solution": False, "grade_id": "t", "points": 1}})
+    for error in (runtime_guard.GuardError, integrity.IntegrityError, KeyError):
+        hidden.outputs = [nbformat.v4.new_output(
+            "error", ename=error.__name__, evalue="secret", traceback=["secret"])]
+        nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(hidden)])
+        nb, _ = preprocessors.HideHiddenTestOutputs().preprocess(nb, {})
+        (output,) = nb.cells[0].outputs
+        assert output.ename == error.__name__ and "secret" not in str(output), output
+    hidden.outputs = [nbformat.v4.new_output(
+        "error", ename="SecretValue42", evalue="", traceback=[])]  # a student's own class
+    nb, _ = preprocessors.HideHiddenTestOutputs().preprocess(
+        nbformat.v4.new_notebook(cells=[hidden]), {})
+    assert nb.cells[0].outputs[0].ename == "Exception"
