@@ -58,6 +58,7 @@ c.GuardedExecute.cpu_limit_s = 30  # CPU seconds per cell
 c.GuardedExecute.wall_limit_s = 120  # wall-clock seconds for a cell that waits
 c.GuardedExecute.busy_limit_s = 900  # a cell starved by a busy machine: then rerun alone
 c.GuardedExecute.instructor_limit_s = 600  # setup and grader-tools cells: then rerun alone
+c.GuardedExecute.notebook_limit_s = 600  # all student cells together: CPU plus waiting
 # `nbgrader validate` (students' machines, the source checks) runs nbgrader's plain Execute,
 # with this wall-clock limit per cell.
 c.Execute.timeout = 120
@@ -75,6 +76,8 @@ c.Sandbox.memory_limit_mb = 4096  # RLIMIT_DATA of the kernel (torch imported: ~
 c.Sandbox.max_processes = 256  # RLIMIT_NPROC: processes and threads (a fork bomb stops here)
 c.Sandbox.max_file_mb = 64  # RLIMIT_FSIZE: largest file the kernel may write
 c.Sandbox.tmp_size_mb = 256  # the sandbox's private /tmp
+c.Sandbox.disk_limit_mb = 512  # what the kernel's files may take in all (besides /tmp)
+c.Sandbox.max_files = 10000  # files and folders it may make
 c.GuardedExecute.max_output_bytes = 2 * 1024 * 1024  # output per cell, then OutputLimitError
 
 # Exchange (nbgrader release_assignment / fetch / submit / collect): a folder the instructor

@@ -528,6 +528,10 @@ def test_config_timeout_and_paths():
     assert limits.wall_limit_s >= 3 * limits.cpu_limit_s
     assert limits.busy_limit_s >= 5 * limits.wall_limit_s
     assert limits.instructor_limit_s >= 300
+    # a whole notebook: many times one cell's CPU limit, well under the instructor's ceilings
+    assert 10 * limits.cpu_limit_s <= limits.notebook_limit_s <= limits.busy_limit_s
+    assert config.Sandbox.disk_limit_mb >= 4 * config.Sandbox.max_file_mb
+    assert config.Sandbox.max_files >= 1000
     assert config.Execute.timeout >= limits.wall_limit_s  # nbgrader validate: wall-clock
     assert config.Execute.interrupt_on_timeout is True
     assert Path(config.CourseDirectory.root) == COURSE

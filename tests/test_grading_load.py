@@ -161,3 +161,22 @@ def test_a_stalled_setup_cell_fails_to_grade(tmp_path):
     assert "rerun: setup" in table, table  # it was run again, alone, first
     assert [(r["status"], r["score"]) for r in _rows(course, name)] == [
         ("failed to grade", "")]
+
+
+def test_a_notebook_past_its_total_time_loses_only_the_parts_after(tmp_path):
+    """Many cells each under the per-cell limits cannot hold the grader: past the notebook's
+    total (``--notebook-limit``, here 1 s of the student's time, less than the solution's
+    tests take) the running cell is interrupted and no later student cell runs; the parts
+    before keep their points, and the report says which limit."""
+    name = "argmax_attention"
+    course = _course(tmp_path, [name])
+    result = _grade(course, name, *SHORT_LIMITS, "--notebook-limit=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "per notebook: 1 s of the student's time in all" in result.stdout
+    assert "used up its 1 s of time in all" in result.stdout, result.stdout[-3000:]
+    scored = [(r["part"], float(r["score"]), float(r["max_score"]))
+              for r in _rows(course, name) if r["score"]]
+    lost = [score < max_score for _, score, max_score in scored]
+    assert any(lost), scored
+    first = lost.index(True)
+    assert all(lost[first:]), scored  # every part after the first lost one is lost too

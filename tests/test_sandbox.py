@@ -10,7 +10,9 @@ notebooks, the release and the source, (c) read the source notebook (solutions, 
 tests), the gradebook and the rules, (d) download from a server on this machine
 (``torch.hub``), (e) a fork bomb (``torch.multiprocessing``) larger than the process limit,
 (f) allocate more than the memory limit, (g) print 300 MB, (h) write a file larger than the
-file size limit. A student who ships a data file with the notebook and reads it keeps all
+file size limit, (i) fill the scratch disk with files each just under that limit, (j) make
+more files than the limit on their number (the grader deletes what they wrote: the later
+parts keep their points). A student who ships a data file with the notebook and reads it keeps all
 the points; one who submits a symbolic link (to the source notebook) is not graded: nbgrader
 would copy the file it points to into autograded/ and the feedback.
 
@@ -112,6 +114,15 @@ ATTACKS = {
     "h-filesize": '''
     np.zeros(@FILE_BYTES@ + 2**20, dtype=np.uint8).tofile("big.bin")
 ''',
+    "i-diskfill": '''
+    block = np.ones(@FILE_BYTES@ - 2**20, dtype=np.uint8)  # each file just under the limit
+    for number in range(@DISK_BYTES@ // block.size + 2):
+        block.tofile(f"fill{number}.bin")
+''',
+    "j-manyfiles": '''
+    for number in range(@MAX_FILES@ + 100):
+        np.zeros(1, dtype=np.uint8).tofile(f"many{number}.bin")
+''',
 }
 # Files planted next to a student's notebook: a link to the source notebook ("linked"), which
 # nbgrader would copy into autograded/ and the feedback as the file it points to (so the grade
@@ -176,7 +187,9 @@ def _fill(code: str, course: Path, port: int, hosts: list[str]) -> str:
     for token, value in {"@COURSE@": str(course), "@NAME@": NAME, "@PORT@": str(port),
                          "@HOSTS@": repr(hosts), "@DEPTH@": str(depth),
                          "@MEMORY_BYTES@": str(settings.memory_limit_mb << 20),
-                         "@FILE_BYTES@": str(settings.max_file_mb << 20)}.items():
+                         "@FILE_BYTES@": str(settings.max_file_mb << 20),
+                         "@DISK_BYTES@": str(settings.disk_limit_mb << 20),
+                         "@MAX_FILES@": str(settings.max_files)}.items():
         code = code.replace(token, value)
     return code
 
@@ -488,6 +501,8 @@ def test_limits_are_reported_per_student(attacked):
         "f-memory": "memory limit",
         "g-output": "output limit",
         "h-filesize": "file size limit",
+        "i-diskfill": "disk limit: its files took more than",
+        "j-manyfiles": "disk limit: it made more than",
     }
     for student, words in expected.items():
         table = _table(output, student)

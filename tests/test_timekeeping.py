@@ -54,6 +54,24 @@ def test_instructor_cells_have_no_cpu_limit_and_are_never_the_students():
     assert not found.student
 
 
+def test_the_notebook_total_counts_cpu_and_waiting_but_not_queueing():
+    limits = timekeeping.TimeLimits(cpu_s=10, wall_s=20, busy_s=300, instructor_s=600,
+                                    notebook_s=50)
+    # 9 s of CPU and 5 s asleep in 20 s, 6 s of it queued for a CPU: 14 s charged
+    assert timekeeping.student_time(Usage(9, 15), 20) == pytest.approx(14)
+    # a busy machine: 100 s queued for 3 s of CPU costs the student 3 s
+    assert timekeeping.student_time(Usage(3, 100), 100) == pytest.approx(3)
+    # many cells each under the per-cell limits: the one that passes the total is stopped
+    assert timekeeping.verdict(limits, "student", 9, Usage(8, 9), spent_s=41) is None
+    found = timekeeping.verdict(limits, "student", 9.5, Usage(9, 9.5), spent_s=41)
+    assert found.student and "50 s of time in all" in found.reason and found.limit == "time"
+    # the same for waiting: 10 s asleep after 45 s spent
+    assert timekeeping.verdict(limits, "student", 10, Usage(0, 0), spent_s=45).student
+    # instructor cells are not charged and not stopped by it
+    assert timekeeping.verdict(limits, "instructor", 10, Usage(9, 10), spent_s=100) is None
+    assert "50 s of the student's time in all" in limits.describe()
+
+
 def _cell(cell_type, **nbgrader):
     return {"cell_type": cell_type, "metadata": {"nbgrader": nbgrader} if nbgrader else {}}
 

@@ -46,7 +46,17 @@ from .channels import DROPPED
 from .limits import LIMIT_SIGNS, limits_in_outputs, payload_size
 from .preprocessors import CourseStep, _meta
 from .sandbox import SandboxedKernelManager
-from .timekeeping import GradingLock, TimeLimits, cell_roles, tree_usage, verdict
+from .timekeeping import (
+    STUDENT,
+    GradingLock,
+    TimeLimits,
+    Usage,
+    Verdict,
+    cell_roles,
+    student_time,
+    tree_usage,
+    verdict,
+)
 
 STOPPED = (
     "# The grader stopped this cell: {reason}. The parts that use it score zero.\n"
@@ -89,6 +99,10 @@ class GuardedExecute(Execute):
     busy_limit_s = Float(900, help=(
         "Wall-clock seconds a cell kept from running by a busy machine may take; past them "
         "the notebook is run again alone, then reported not graded.")).tag(config=True)
+    notebook_limit_s = Float(600, help=(
+        "Seconds of the student's time (CPU time plus time spent waiting) that all the "
+        "student cells of one notebook (answers and tests) may use together; past them the "
+        "running cell and every later one are interrupted.")).tag(config=True)
     instructor_limit_s = Float(600, help=(
         "Wall-clock seconds a read-only cell before the first answer (setup, grader tools) may "
         "take; past them as for busy_limit_s.")).tag(config=True)
@@ -106,14 +120,15 @@ class GuardedExecute(Execute):
 
     def limits(self) -> TimeLimits:
         return TimeLimits(self.cpu_limit_s, self.wall_limit_s, self.busy_limit_s,
-                          self.instructor_limit_s)
+                          self.instructor_limit_s, self.notebook_limit_s)
 
     def _get_timeout(self, cell):
         # nbclient's own wall-clock timeout is only a backstop: _watch_time decides
         return int(max(self.busy_limit_s, self.instructor_limit_s, self.wall_limit_s)) + 120
 
     def _reset(self):
-        self._time_stops: dict = {}  # cell index -> Verdict of the time watch
+        self._time_stops: dict = {}  # cell index -> Verdict of the time (or disk) watch
+        self._spent_s = 0.0  # the student's time of the student cells run so far
         self._abort = None  # the Verdict that made the watch end the run
         self._output_bytes: dict[int, int] = {}  # per cell
         self._cut: set[int] = set()  # cells past the output limit
@@ -157,8 +172,18 @@ class GuardedExecute(Execute):
     async def async_execute_cell(self, cell, cell_index, execution_count=None,
                                  store_history=True):
         box = self._sandbox()
+        timed = cell.cell_type == "code" and bool(cell.source.strip())
+        student = timed and self._roles[cell_index] == STUDENT
+        if student:  # the notebook's time or scratch disk is used up: the cell is not run
+            spent = self._spent_s >= self.notebook_limit_s and verdict(
+                self.limits(), STUDENT, 0.0, Usage(), self._spent_s)
+            refused = spent or self._disk_verdict(box)
+            if refused:
+                self._time_stops[cell_index] = refused
+                cell.outputs = []
+                return cell
         watches = [asyncio.ensure_future(self._watch_processes(box, cell_index))] if box else []
-        if cell.cell_type == "code" and cell.source.strip():
+        if timed:
             previous = getattr(self, "task_poll_for_reply", None)  # another cell's
             watches.append(asyncio.ensure_future(self._watch_time(cell_index, previous)))
         iopub_timeout = self.iopub_timeout
@@ -169,6 +194,16 @@ class GuardedExecute(Execute):
             self.iopub_timeout = iopub_timeout
             for watch in watches:
                 watch.cancel()
+            # let them end here (the time watch charges the cell's time as it ends)
+            await asyncio.gather(*watches, return_exceptions=True)
+            if student and cell_index not in self._time_stops:
+                # a cell that ended between two reads of the disk is checked at its end
+                written = self._disk_verdict(box)
+                if written:
+                    self._time_stops[cell_index] = written
+            stop = self._time_stops.get(cell_index)
+            if box is not None and stop is not None and stop.limit == "disk":
+                box.remove_written_files()  # later cells run with the disk as submitted
 
     # nbclient binds execute_cell to its own async_execute_cell when its class is made: bind
     # it to this one, or the watches never run
@@ -188,11 +223,16 @@ class GuardedExecute(Execute):
         if pid is None:
             return
         role, start, base = self._roles[cell_index], time.monotonic(), tree_usage(pid)
-        found = None
-        while found is None:
-            await asyncio.sleep(TIME_POLL_S)
-            found = verdict(self.limits(), role, time.monotonic() - start,
-                            tree_usage(pid) - base)
+        box, limits, found = self._sandbox(), self.limits(), None
+        try:
+            while found is None:
+                await asyncio.sleep(TIME_POLL_S)
+                found = (verdict(limits, role, time.monotonic() - start,
+                                 tree_usage(pid) - base, self._spent_s)
+                         or self._disk_verdict(box))
+        finally:  # the cell ended (this watch cancelled) or is stopped: charge its time
+            if role == STUDENT:
+                self._spent_s += student_time(tree_usage(pid) - base, time.monotonic() - start)
         self._time_stops[cell_index] = found
         self.log.warning("cell %d: %s", cell_index + 1, found.reason)
         if found.student:
@@ -202,6 +242,15 @@ class GuardedExecute(Execute):
         task = getattr(self, "task_poll_for_reply", None)
         if task is not None and task is not previous:
             task.cancel()
+
+    @staticmethod
+    def _disk_verdict(box) -> Verdict | None:
+        """The scratch disk limit: the files the submission wrote in its writable folders,
+        in bytes and in number (``Sandbox.disk_limit_mb``, ``Sandbox.max_files``)."""
+        if box is None:
+            return None
+        problem = box.disk_problem()
+        return None if problem is None else Verdict(True, problem, limit="disk")
 
     async def _async_handle_timeout(self, timeout, cell=None):
         """At the time limit nbclient interrupts the kernel and then waits ``iopub_timeout``
@@ -234,10 +283,11 @@ class GuardedExecute(Execute):
         found, box = [], self._sandbox()
         stop = self._time_stops.get(index)
         if stop is not None and stop.student:
+            ename = f"{stop.limit.title()}LimitError"
             cell.outputs.append(nbformat.v4.new_output(
-                "error", ename="TimeLimitError", evalue=stop.reason,
-                traceback=[f"TimeLimitError: the grader interrupted this cell: {stop.reason}"]))
-            found.append(f"time limit: {stop.reason}; the cell was interrupted")
+                "error", ename=ename, evalue=stop.reason,
+                traceback=[f"{ename}: the grader interrupted this cell: {stop.reason}"]))
+            found.append(f"{stop.limit} limit: {stop.reason}; the cell was interrupted")
         if index in self._cut:
             limit = self.max_output_bytes
             cell.outputs.append(nbformat.v4.new_output(

@@ -46,9 +46,11 @@ LIMIT_FLAGS = {
     "wall-limit": "wall-clock seconds after which a waiting cell is stopped",
     "busy-limit": "wall-clock seconds a cell kept from running by a busy machine may take",
     "instructor-limit": "wall-clock seconds for the read-only cells before the first answer",
+    "notebook-limit": "seconds of the student's time (CPU plus waiting) for a whole notebook",
 }
 LIMIT_TRAITS = {"cpu-limit": "cpu_limit_s", "wall-limit": "wall_limit_s",
-                "busy-limit": "busy_limit_s", "instructor-limit": "instructor_limit_s"}
+                "busy-limit": "busy_limit_s", "instructor-limit": "instructor_limit_s",
+                "notebook-limit": "notebook_limit_s"}
 
 
 def time_limits(course: Path, overrides: dict):

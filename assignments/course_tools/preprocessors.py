@@ -180,7 +180,8 @@ class IntegrityCheck(CourseStep):
 KNOWN_ERRORS = {name for name in dir(builtins) if isinstance(getattr(builtins, name), type)
                 and issubclass(getattr(builtins, name), BaseException)} | {
     "TamperedError", "IntegrityError", "CellStoppedError", "CellTimeoutError",
-    "LinAlgError", "_LinAlgError", "OutOfMemoryError", "OutputLimitError", "GuardError"}
+    "LinAlgError", "_LinAlgError", "OutOfMemoryError", "OutputLimitError", "GuardError",
+    "TimeLimitError", "DiskLimitError"}
 
 
 def _is_rejected_cell(source: str) -> bool:

@@ -37,6 +37,7 @@ never a silent fallback: a missing ``bwrap`` is an error naming the command that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -108,6 +109,15 @@ class Sandbox(Configurable):
                           ).tag(config=True)
     tmp_size_mb = Integer(256, help="Size of the sandbox's private /tmp (also HOME), in MiB."
                           ).tag(config=True)
+    disk_limit_mb = Integer(512, help=(
+        "Scratch disk of one kernel in MiB: what the files it writes in its working folder "
+        "(and the folder of its sockets) may take together, checked while each cell runs "
+        "(several times a second: a cell writing faster may pass it by a fraction of a "
+        "second of writes); past it the cell is interrupted. /tmp is limited by "
+        "tmp_size_mb.")).tag(config=True)
+    max_files = Integer(10000, help=(
+        "Files and folders the kernel may have in its working folder (and the folder of its "
+        "sockets), checked with disk_limit_mb.")).tag(config=True)
     uid = Integer(-1, help=(
         "User id of the kernel when grading runs as root. -1 (default): a fresh, unused id "
         "per kernel, from 2**31 on, so that no other process counts against its process "
@@ -135,7 +145,8 @@ class Sandbox(Configurable):
                     "rights")
         return (f"sandbox: bubblewrap, no network, memory {self.memory_limit_mb} MiB, "
                 f"{self.max_processes} processes, files {self.max_file_mb} MiB, "
-                f"/tmp {self.tmp_size_mb} MiB")
+                f"/tmp {self.tmp_size_mb} MiB, scratch disk {self.disk_limit_mb} MiB and "
+                f"{self.max_files} files in all")
 
     def executable(self) -> str:
         found = shutil.which(self.bwrap)
@@ -205,6 +216,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         self.log_tail = ""
         self._process = None
         self._log = None
+        self.submitted_files: set[str] = set()  # of the scratch copy, before the kernel ran
 
     def submission_filter(self, folder: str | None):
         """Which files of nbgrader's ``autograded/<student>/<assignment>`` folder the kernel
@@ -249,6 +261,7 @@ class SandboxedKernelManager(AsyncKernelManager):
         run_dir, work_dir = self.box / "run", self.box / "work"
         run_dir.mkdir()
         copy_submission(source, work_dir, keep=self.submission_filter(source))
+        self.submitted_files = {str(p.relative_to(work_dir)) for p in work_dir.rglob("*")}
         uid = self.sandbox.kernel_uid()
         if self.sandbox.as_root():
             chown_tree(run_dir, uid, uid)
@@ -331,6 +344,54 @@ class SandboxedKernelManager(AsyncKernelManager):
         work, limit = self.box / "work", self.sandbox.max_file_mb * MIB
         return sorted(str(p.relative_to(work)) for p in work.rglob("*")
                       if p.is_file() and not p.is_symlink() and p.stat().st_size >= limit)
+
+    def disk_problem(self) -> str | None:
+        """Why the files of the sandbox's writable folders (``work``, ``run``) are over the
+        scratch disk limits, or None. Counts allocated blocks (a sparse file costs what it
+        holds) and stops counting at the first limit passed."""
+        if self.box is None:
+            return None
+        limit_bytes, used, entries = self.sandbox.disk_limit_mb * MIB, 0, 0
+        folders = [self.box / "work", self.box / "run"]
+        while folders:
+            try:
+                scan = os.scandir(folders.pop())
+            except OSError:
+                continue
+            with scan:
+                for entry in scan:
+                    entries += 1
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(Path(entry.path))
+                        used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue
+                    if entries > self.sandbox.max_files:
+                        return (f"it made more than {self.sandbox.max_files} files and "
+                                "folders (scratch disk limit)")
+                    if used > limit_bytes:
+                        return (f"its files took more than {self.sandbox.disk_limit_mb} MiB "
+                                "of disk in all (scratch disk limit)")
+        return None
+
+    def remove_written_files(self) -> None:
+        """Delete what the kernel wrote in its writable folders (the scratch disk limit was
+        passed): every file and folder of ``work`` that the submission did not bring, and
+        every regular file or folder of ``run`` but the connection file (the kernel's
+        sockets stay)."""
+        if self.box is None:
+            return
+        work, run = self.box / "work", self.box / "run"
+        written = [p for p in work.rglob("*") if str(p.relative_to(work)) not in
+                   self.submitted_files] + [p for p in run.iterdir() if p.name != "kernel.json"
+                                            and (p.is_dir() or p.is_file())]
+        for path in sorted(written, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    remove_tree(path)
+                elif path.exists() or path.is_symlink():
+                    path.unlink()
 
     def threads(self) -> int:
         """Threads of every process of the sandbox (what RLIMIT_NPROC counts)."""

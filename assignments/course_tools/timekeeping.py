@@ -17,6 +17,11 @@ interrupted. So a cell is measured by what its own processes did, read from ``/p
   **the machine's** fault: the notebook is run again, alone, and if that fails too the
   submission is reported as not graded, never scored.
 
+A whole notebook is limited too (``notebook_s``): its student cells together may use that
+many seconds of *the student's time*, CPU time plus time spent waiting (wall-clock time not
+runnable), so that many cells each just under the per-cell limits cannot hold a grader for
+hours. Past it, the running cell and every later cell are interrupted (their parts score 0).
+
 Instructor cells are the read-only cells that run before any student cell (setup, grader
 tools): no student code has run yet, so only the machine can make them slow; they have no
 CPU limit (the first imports cost several seconds of CPU). Every later cell may run student
@@ -40,18 +45,22 @@ RUNNABLE_SHARE = 0.5
 @dataclass(frozen=True)
 class TimeLimits:
     """Seconds: CPU per cell; wall-clock ceiling for a waiting cell; ceiling for a cell that
-    a busy machine keeps from running; ceiling for an instructor cell."""
+    a busy machine keeps from running; ceiling for an instructor cell; the student's time
+    (CPU plus waiting) of all student cells of a notebook together."""
 
     cpu_s: float
     wall_s: float
     busy_s: float
     instructor_s: float
+    notebook_s: float = 600.0
 
     def describe(self) -> str:
         return (f"time limits per cell: {self.cpu_s:g} s of CPU time; {self.wall_s:g} s of "
                 f"wall-clock time spent waiting; a cell a busy machine keeps from running may "
                 f"take up to {self.busy_s:g} s (read-only setup cells {self.instructor_s:g} s)"
-                " before the notebook is run again alone, then reported not graded")
+                " before the notebook is run again alone, then reported not graded; per "
+                f"notebook: {self.notebook_s:g} s of the student's time in all (CPU time plus "
+                "time spent waiting)")
 
 
 @dataclass(frozen=True)
@@ -66,18 +75,29 @@ class Usage:
         return Usage(self.cpu_s - other.cpu_s, self.runnable_s - other.runnable_s)
 
 
+def student_time(used: Usage, elapsed_s: float) -> float:
+    """What a student cell is charged against the notebook's limit: its CPU time plus the
+    wall-clock time it was not runnable (sleeping, blocked). Time spent queued for a CPU on a
+    busy machine is not charged."""
+    return used.cpu_s + max(0.0, elapsed_s - used.runnable_s)
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """Why a cell is stopped (in words, for the report), and whether that is the student's
-    fault (``student``) or the machine's."""
+    """Why a cell is stopped (in words, for the report), whether that is the student's
+    fault (``student``) or the machine's, and the limit reached (the error a stopped student
+    cell shows is named after it: ``TimeLimitError``, ``DiskLimitError``)."""
 
     student: bool
     reason: str
+    limit: str = "time"
 
 
-def verdict(limits: TimeLimits, role: str, elapsed_s: float, used: Usage) -> Verdict | None:
+def verdict(limits: TimeLimits, role: str, elapsed_s: float, used: Usage,
+            spent_s: float = 0.0) -> Verdict | None:
     """Whether a cell that has run ``elapsed_s`` of wall-clock time and used ``used`` must be
-    stopped, and whose fault that is; None while it may go on."""
+    stopped, and whose fault that is; None while it may go on. ``spent_s``: the student's
+    time (``student_time``) of the notebook's earlier student cells."""
     if role == INSTRUCTOR:
         if elapsed_s >= limits.instructor_s:
             return Verdict(False, f"a read-only cell took more than {limits.instructor_s:g} s "
@@ -89,6 +109,10 @@ def verdict(limits: TimeLimits, role: str, elapsed_s: float, used: Usage) -> Ver
     if elapsed_s >= limits.wall_s and used.runnable_s < RUNNABLE_SHARE * elapsed_s:
         return Verdict(True, f"it waited (slept or blocked) past the {limits.wall_s:g} s "
                              "wall-clock limit")
+    if spent_s + student_time(used, elapsed_s) >= limits.notebook_s:
+        return Verdict(True, f"the notebook used up its {limits.notebook_s:g} s of time in all "
+                             "(CPU time plus time spent waiting, over its answer and test "
+                             "cells)")
     if elapsed_s >= limits.busy_s:
         return Verdict(False, f"the machine was too busy: {elapsed_s:.0f} s of wall-clock time "
                               f"gave the cell only {used.cpu_s:.1f} s of CPU")
