@@ -13,6 +13,7 @@ from importlib import import_module
 _MODULES = (
     "attention",
     "delta_rule",
+    "distributed",
     "embeddings",
     "fmm",
     "kernels",
