@@ -198,3 +198,46 @@ def test_model_padding_mask_is_checked_before_use():
     pad = torch.tensor([[False, False, False, True], [False, False, False, False]])
     torch.testing.assert_close(model(tokens, key_padding_mask=pad[1:]),  # (1, n) broadcasts
                                model(tokens, key_padding_mask=pad[1:].expand(2, 4)))
+
+
+# --- issue 27.4: decoding with one KV cache per layer ----------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [[9], [1] * 9, [4, 1, 0, 3, 1]])
+def test_model_decode_equals_the_causal_forward(chunks):
+    torch.manual_seed(0)
+    model = ea.TinyTransformer(10, d_model=16, num_heads=2, num_layers=3, max_len=12,
+                               causal=True).double()
+    tokens = torch.randint(10, (2, 9), generator=torch.Generator().manual_seed(1))
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, :2] = True  # a left-padded prompt
+    expected = model(tokens, key_padding_mask=pad).detach()
+    caches, logits, start = model.new_caches(), [], 0
+    assert len(caches) == 3 and caches[0].max_len == 12
+    with torch.inference_mode():
+        for t in chunks:
+            logits.append(model.decode(tokens[:, start:start + t], caches,
+                                       key_padding_mask=pad[:, start:start + t]))
+            start += t
+    decoded = torch.cat(logits, dim=1)
+    assert decoded.shape == (2, 9, 10)
+    assert (decoded[~pad] - expected[~pad]).abs().max() < 1e-12
+
+
+def test_model_decode_checks_its_caches():
+    model = ea.TinyTransformer(10, d_model=16, num_heads=2, max_len=6, causal=True)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="decode needs a causal model"):
+        ea.TinyTransformer(10, d_model=16, num_heads=2).decode(tokens, [])
+    with pytest.raises(ValueError, match="caches must be a list of 2 caches.*got 1"):
+        model.decode(tokens, model.new_caches()[:1])
+    caches = model.new_caches()
+    with torch.no_grad():
+        caches[0].append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+        with pytest.raises(ValueError, match=r"the same number of tokens, got lengths \[1, 0\]"):
+            model.decode(tokens, caches)
+        caches = model.new_caches()
+        model.decode(tokens, caches)
+        with pytest.raises(ValueError, match="length n=3 after 4 cached tokens, more than "
+                                             "max_len=6"):
+            model.decode(tokens[:, :3], caches)

@@ -12,6 +12,7 @@ from importlib import import_module
 # (``ea.linearized``) and its ``__all__`` re-exported at the top level.
 _MODULES = (
     "attention",
+    "attention_sinks",
     "delta_rule",
     "distributed",
     "embeddings",
@@ -23,11 +24,14 @@ _MODULES = (
     "memory",
     "models",
     "nystrom",
+    "paged_cache",
     "performer",
     "purification",
+    "quantized_cache",
     "random_features",
     "recurrent",
     "sparse",
+    "speculative",
     "tiling",
 )
 

@@ -40,6 +40,9 @@ __all__ = [
     "check_generator",
     "check_module_input",
     "check_representable",
+    "check_choice",
+    "check_dtype",
+    "check_nonnegative_ints",
     "SEQUENCE_LAYOUTS",
     "check_layout",
     "check_rank",
@@ -502,3 +505,42 @@ def check_dim(dim: object, ndim: int, name: str = "dim") -> int:
         )
     return dim % ndim
 
+
+# --- serving caches (issue 27.4): choices, dtypes, lists of ids or lengths ----------------
+
+
+def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    """Return ``value`` if it is one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {tuple(choices)}, got "
+                        f"{type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_dtype(value: object, name: str, *, floating: bool = False) -> torch.dtype:
+    """Return ``value`` if it is a ``torch.dtype`` (real floating point when ``floating``)."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype, got {type(value).__name__} {value!r}")
+    if floating and (not value.is_floating_point or value.is_complex):
+        raise TypeError(f"{name} must be a real floating-point dtype (float16, bfloat16, "
+                        f"float32 or float64), got {value}")
+    return value
+
+
+def check_nonnegative_ints(values: object, name: str, *, distinct: bool = False) -> list[int]:
+    """Return ``values``, a list or tuple of ``int`` >= 0 (bools rejected), as a list;
+    with ``distinct``, no value may repeat."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of ints >= 0, got "
+                        f"{type(values).__name__}")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name} must hold ints >= 0, got {type(x).__name__} {x!r} in "
+                            f"{list(values)}")
+        if x < 0:
+            raise ValueError(f"{name} must hold ints >= 0, got {x} in {list(values)}")
+    if distinct and len(set(values)) != len(values):
+        raise ValueError(f"{name} must not repeat a value, got {list(values)}")
+    return list(values)

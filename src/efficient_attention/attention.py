@@ -26,7 +26,9 @@ from ._checks import (
     compute_dtype,
 )
 from ._padding import zero_padded_rows
+from .attention_sinks import SinkKVCache
 from .kv_cache import KVCache, SlidingWindowKVCache, cached_attention
+from .quantized_cache import QuantizedKVCache
 
 __all__ = [
     "default_device",
@@ -160,6 +162,8 @@ def argmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 AttentionFn = Callable[..., torch.Tensor]
+# The caches MultiHeadAttention.decode takes: append(k, v, key_padding_mask) -> CachedKeys.
+DecodingCache = KVCache | SlidingWindowKVCache | SinkKVCache | QuantizedKVCache
 
 
 class MultiHeadAttention(nn.Module):
@@ -294,7 +298,7 @@ class MultiHeadAttention(nn.Module):
     def decode(
         self,
         x: torch.Tensor,
-        cache: KVCache | SlidingWindowKVCache,
+        cache: DecodingCache,
         *,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -308,7 +312,11 @@ class MultiHeadAttention(nn.Module):
         and the new keys up to position ``L + i``. Prefill plus decoding in any chunks
         gives the rows of ``forward(whole, causal=True)`` (with a
         :class:`~efficient_attention.kv_cache.SlidingWindowKVCache` of window ``w``: of
-        the causal band of ``banded_attention`` with ``bandwidth = w``).
+        the causal band of ``banded_attention`` with ``bandwidth = w``; with a
+        :class:`~efficient_attention.attention_sinks.SinkKVCache`, of the same band plus
+        the first tokens; with a
+        :class:`~efficient_attention.quantized_cache.QuantizedKVCache`, of attention
+        over the int8-rounded keys and values).
 
         ``key_padding_mask (batch, t)``, ``True`` at padding tokens: no later query sees
         them, as with ``forward(..., key_padding_mask=...)``.
@@ -324,9 +332,10 @@ class MultiHeadAttention(nn.Module):
                 "decode computes exact softmax attention over the cache; build the module "
                 f"with attention=softmax_attention, got attention={name}"
             )
-        if not isinstance(cache, (KVCache, SlidingWindowKVCache)):
+        if not isinstance(cache, DecodingCache):
             raise TypeError(
-                f"cache must be a KVCache or SlidingWindowKVCache, got {type(cache).__name__}"
+                "cache must be a KVCache, SlidingWindowKVCache, SinkKVCache or "
+                f"QuantizedKVCache, got {type(cache).__name__}"
             )
         x = self._check_input(x, "x", min_dim=3)
         if x.dim() != 3:

@@ -39,6 +39,7 @@ from .attention import MultiHeadAttention, softmax_attention
 from .delta_rule import DeltaRuleAttention
 from .embeddings import sinusoidal_positional_encoding
 from .fmm import FMMAttention
+from .kv_cache import KVCache
 from .linearized import elu_feature_map, linear_attention
 from .nystrom import NystromAttention
 from .performer import FavorAttention
@@ -154,6 +155,14 @@ class TransformerBlock(nn.Module):
         )
         return x + self.mlp(self.norm_mlp(x))
 
+    def decode(self, x: torch.Tensor, cache: KVCache,
+               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block on ``t`` new tokens ``(B, t, d_model)``, attending through ``cache``
+        (:meth:`MultiHeadAttention.decode`): the rows of the causal ``forward``."""
+        x = x + self.attention.decode(self.norm_attention(x), cache,
+                                      key_padding_mask=key_padding_mask)
+        return x + self.mlp(self.norm_mlp(x))
+
 
 class TinyTransformer(nn.Module):
     """A small Transformer whose attention is chosen by name.
@@ -168,6 +177,9 @@ class TinyTransformer(nn.Module):
 
     ``forward(tokens (B, n), key_padding_mask=None) -> logits (B, n, vocab_size)``; the
     mask is bool, broadcastable to ``(B, n)``, ``True`` at padding tokens.
+    ``decode(tokens (B, t), caches, key_padding_mask=None) -> logits (B, t, vocab_size)``:
+    the next ``t`` tokens of a causal softmax model, one KV cache per layer
+    (``new_caches()``); prefill and decoding in any chunks give the rows of ``forward``.
     Cost per layer: ``O(n d_model^2)`` for projections and MLP plus the attention's.
     """
 
@@ -213,25 +225,62 @@ class TinyTransformer(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def forward(
-        self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _embed(self, tokens: object, start: int = 0) -> torch.Tensor:
+        """Token embeddings plus the positions ``start .. start + n - 1``."""
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a (batch, n) tensor, got {type(tokens).__name__}")
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (batch, n), got {tuple(tokens.shape)}")
         if tokens.is_floating_point():
             raise TypeError(f"tokens must be integer token indices, got dtype {tokens.dtype}")
-        n = tokens.shape[1]
-        if n > self.positions.shape[0]:
-            max_len = self.positions.shape[0]
-            raise ValueError(f"tokens has length n={n}, more than max_len={max_len}")
+        n, max_len = tokens.shape[1], self.positions.shape[0]
+        if start + n > max_len:
+            after = f" after {start} cached tokens" if start else ""
+            raise ValueError(f"tokens has length n={n}{after}, more than max_len={max_len}")
+        positions = self.positions[start : start + n].to(self.token_embedding.weight.dtype)
+        return self.token_embedding(tokens) + positions
+
+    def forward(
+        self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self._embed(tokens)
         key_padding_mask = check_key_padding_mask(key_padding_mask, (*tokens.shape, 1),
                                                   tokens.device)  # (B, n) or None
-        x = self.token_embedding(tokens) + self.positions[:n].to(self.token_embedding.weight.dtype)
         for block in self.blocks:
             x = block(x, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, n, d)
         return self.head(self.norm(x))  # (B, n, vocab_size)
+
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`~efficient_attention.kv_cache.KVCache` per layer, of
+        ``max_len`` positions (``None``: the model's ``max_len``), for :meth:`decode`."""
+        max_len = self.positions.shape[0] if max_len is None else max_len
+        return [KVCache(max_len) for _ in self.blocks]
+
+    def decode(
+        self, tokens: torch.Tensor, caches: list[KVCache],
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(B, t, vocab_size)`` of the ``t`` tokens ``(B, t)`` that follow the
+        ``L`` tokens in ``caches`` (one per layer, all of length ``L``; positions ``L ..
+        L + t - 1``), whose keys and values are appended. Needs a causal model with
+        softmax attention. Cost: ``O(t d_model^2)`` per layer plus attention over ``L + t``
+        keys; truncating every cache to ``L'`` rolls the model back to ``L'`` tokens.
+        """
+        if not self.causal:
+            raise ValueError("decode needs a causal model (TinyTransformer(..., causal=True)):"
+                             " an encoder's tokens see later tokens, which are not cached")
+        if not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks):
+            got = len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__
+            raise ValueError(f"caches must be a list of {len(self.blocks)} caches (one per "
+                             f"layer, see new_caches()), got {got}")
+        lengths = {getattr(cache, "length", None) for cache in caches}
+        if len(lengths) != 1 or None in lengths:
+            raise ValueError(f"caches must all hold the same number of tokens, got lengths "
+                             f"{[getattr(cache, 'length', None) for cache in caches]}")
+        x = self._embed(tokens, start=caches[0].length)
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x = block.decode(x, cache, key_padding_mask)  # (B, t, d)
+        return self.head(self.norm(x))  # (B, t, vocab_size)
 
 
 @dataclass(frozen=True)
