@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 # Environment variables a kernel may see (nothing else of the grader's environment, which
-# can hold tokens such as JUPYTERHUB_API_TOKEN).
+# can hold tokens such as JUPYTERHUB_API_TOKEN). HIDDEN_TEST_SEED: the seed a hidden test
+# prints, set by the instructor to rerun a grade with it (assignments/README.md).
 ENV_KEEP = ("LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED", "PYTHONWARNINGS", "NBGRADER_EXECUTION",
-            "MPLBACKEND", "CUDA_VISIBLE_DEVICES", "JPY_SESSION_NAME")
+            "MPLBACKEND", "CUDA_VISIBLE_DEVICES", "JPY_SESSION_NAME", "HIDDEN_TEST_SEED")
 ENV_KEEP_PREFIXES = ("LC_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "NUMEXPR_")
 # /etc: only what the dynamic loader, the time zone and fonts (matplotlib) need.
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
