@@ -41,6 +41,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -111,9 +112,23 @@ def _is_autograded_test(cell) -> bool:
     return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
 
 
+# The cases of tests/cheats/<name>.py graded by `make test`: those of the three assignments
+# whose cases hold the runtime guard's attack classes, and those of one cost test's quadratic
+# forms. Each case is one more notebook graded (about 8 s of CPU); every assignment's cases
+# would add some 40 notebooks to `make test`. `make grading` grades them all
+# (GRADING_CASES=all; or a comma-separated list of assignments).
+CASES_IN_MAKE_TEST = ("argmax_attention", "chunkwise_linear_attention", "purification",
+                      "scaled_dot_product")
+
+
+def cases_graded(name: str) -> bool:
+    chosen = os.environ.get("GRADING_CASES", ",".join(CASES_IN_MAKE_TEST))
+    return chosen == "all" or name in chosen.split(",")
+
+
 def _cases(name: str) -> list[dict]:
     path = ROOT / "tests" / "cheats" / f"{name}.py"
-    if not path.is_file():
+    if not path.is_file() or not cases_graded(name):
         return []
     return list(_load(f"cheats_{name}", path).CASES)
 
@@ -190,18 +205,18 @@ def _grade(name: str, tmp_path_factory) -> dict:
         shutil.copytree(COURSE / folder, course / folder,
                         ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(COURSE / "source" / name, course / "source" / name)
-    timings = {}
+    timings, cpu = {}, {}
 
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _children_cpu_s()
     _nbgrader(course, "generate_assignment", name, "--force")
-    timings["generate"] = time.perf_counter() - start
+    timings["generate"], cpu["generate"] = time.perf_counter() - start, _children_cpu_s() - used
     source = nbformat.read(course / "source" / name / f"{name}.ipynb", as_version=4)
     release = nbformat.read(course / "release" / name / f"{name}.ipynb", as_version=4)
 
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _children_cpu_s()
     validate = _nbgrader(course, "validate", str(course / "source" / name / f"{name}.ipynb"),
                          check=False)
-    timings["validate"] = time.perf_counter() - start
+    timings["validate"], cpu["validate"] = time.perf_counter() - start, _children_cpu_s() - used
 
     students = _students(name, source, release)
     assert list(students) == STUDENTS[name], "the students differ from those collected"
@@ -213,22 +228,31 @@ def _grade(name: str, tmp_path_factory) -> dict:
         else:
             nbformat.write(nb, folder / f"{name}.ipynb")
 
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _children_cpu_s()
     grade = subprocess.run(
         [sys.executable, "-m", "course_tools.grade", name,
          f"--cpu-limit={ROBUSTNESS_CPU_S}", f"--wall-limit={ROBUSTNESS_WALL_S}"],
         cwd=course, env=_env(), capture_output=True, text=True, timeout=1800,
     )
-    timings["grade"] = time.perf_counter() - start
-    start = time.perf_counter()
+    timings["grade"], cpu["grade"] = time.perf_counter() - start, _children_cpu_s() - used
+    start, used = time.perf_counter(), _children_cpu_s()
     _nbgrader(course, "generate_feedback", name)
-    timings["feedback"] = time.perf_counter() - start
-    print(f"\n[{name}] " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+    timings["feedback"], cpu["feedback"] = time.perf_counter() - start, _children_cpu_s() - used
+    print(f"\n[{name}] " + ", ".join(f"{k} {v:.1f} s ({cpu[k]:.1f} s CPU)"
+                                     for k, v in timings.items())
           + f" ({len(students)} students)")
     return {
         "name": name, "course": course, "source": source, "release": release,
         "validate": validate, "grade": grade, "students": students, "timings": timings,
+        "cpu": cpu,
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that ended (and theirs that they waited for):
+    what a command cost, whatever the machine's load."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _regions(source: str) -> tuple[list[str], list[str]]:
@@ -550,11 +574,15 @@ def test_config_timeout_and_paths():
     assert config.ZipCollectApp.collector_plugin.endswith("FileNameCollectorPlugin")
 
 
-def test_time_budget(graded):
-    """Generate + validate + grade must stay cheap: under 60 s per graded notebook."""
-    timings, students = graded["timings"], len(graded["students"])
-    assert timings["grade"] < 60 * students + 2 * ROBUSTNESS_WALL_S, timings
-    assert timings["validate"] < 60, timings
+def test_cost_budget(graded):
+    """Grading stays cheap, in CPU time (a busy machine stretches the clock, not this):
+    validating the source (nbgrader and the whole notebook in a kernel: about 12 s) under 30
+    s, and the grade command's own processes (nbgrader, the gradebook; the sandboxed kernels'
+    CPU time is not reported to them, bubblewrap's init reaps those) under 10 s per
+    submission."""
+    cpu, students = graded["cpu"], len(graded["students"])
+    assert cpu["validate"] < 30, (cpu, graded["timings"])
+    assert cpu["grade"] < 10 * students, (cpu, graded["timings"])
 
 
 SETUP_NAMES = {"torch", "math", "np", "plt"}

@@ -17,9 +17,9 @@ home folder per person (``HOME``), ``run_cycle`` runs:
 ``test_instructor_cycle`` runs it once, then the ``check_*`` functions: each step's outcome,
 that every command run is one the README gives, that no ``display_data_priority`` warning is
 printed, and that every file the cycle writes is git-ignored and removed by ``make clean``.
-16 commands (each nbgrader start takes some 5 s of CPU, 3 s of which jsonschema spends
-building rfc3987_syntax's grammar) and 3 graded notebooks: about 2 minutes of one core. The
-other tests here cost nothing.
+16 commands (each nbgrader start takes some 2 s of CPU; 5 s before constraints.txt kept
+rfc3987-syntax out, whose grammar jsonschema built at every import) and 3 graded notebooks:
+about a minute of one core. The other tests here cost nothing.
 """
 
 from __future__ import annotations
