@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from notebook_files import cell_source as _source
+from notebook_files import load_json as _load
+from notebook_files import relative as _rel
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
@@ -19,19 +22,6 @@ CHAPTERS = sorted(BOOK.glob("*.ipynb"))
 SOURCES = sorted((ROOT / "assignments" / "source").glob("*/*.ipynb"))
 NOTEBOOKS = CHAPTERS + SOURCES
 MARKDOWN = sorted(BOOK.glob("*.md"))
-
-
-def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _source(cell: dict) -> str:
-    source = cell.get("source", "")
-    return "".join(source) if isinstance(source, list) else source
 
 
 def _toc_files(node) -> list[str]:

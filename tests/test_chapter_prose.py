@@ -37,6 +37,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from notebook_files import cell_source as _source
+from notebook_files import load_json as _load
+from notebook_files import relative as _rel
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
@@ -59,19 +62,6 @@ PLUMBING = re.compile(
 # A code cell that draws a figure (as tests/test_book.py recognises one).
 DRAWS_FIGURE = re.compile(r"\bplt\.(subplots|figure|show|imshow|matshow|hist|plot)\b")
 PATH_LIKE = re.compile(r"^\S*\.(png|svg|jpe?g|gif|pdf)$|^\S*/\S*$", flags=re.IGNORECASE)
-
-
-def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _source(cell: dict) -> str:
-    source = cell.get("source", "")
-    return "".join(source) if isinstance(source, list) else source
 
 
 def _tags(cell: dict) -> set[str]:
