@@ -31,11 +31,13 @@ PYTEST  := OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS)
 # another build of Chromium given in the environment).
 export CHROMIUM_PATH ?= /usr/bin/chromium
 
-.PHONY: help setup book test lint unit notebooks grading trust grade browser bench serve clean \
+.PHONY: help setup book pdf test lint unit notebooks grading trust grade browser bench serve clean \
         packages chromium bubblewrap
 
 help:
 	@echo "make book      build the Jupyter Book into _build/html (creates .venv on first use)"
+	@echo "make pdf       the whole book as one PDF, _build/pdf/efficient-attention.pdf (offline,"
+	@echo "               printed by chromium: no LaTeX; chapters from the cache of make book)"
 	@echo "make test      lint, unit tests, grading pipeline, book build (every chapter run), browser test"
 	@echo "make lint | unit | notebooks | grading | browser   one part of 'make test'"
 	@echo "               (parts run on all cores; WORKERS=1 for one worker, 0 for no worker)"
@@ -78,6 +80,16 @@ book: $(STAMP) $(RELEASES) $(WHEEL)
 	$(BIN)/python book/_execution_cache.py
 	$(BIN)/jupyter-book build . -W --keep-going
 	@echo "Book built: $(CURDIR)/_build/html/index.html"
+
+# The whole book as one PDF, made offline with no LaTeX: the book built as one HTML page
+# (_build/singlehtml; the chapters come from the same execution cache as `make book`, so nothing
+# is executed when that cache is valid), then printed by Debian's chromium, driven by Playwright
+# (book/_pdf.py: A4, page numbers, the maths typeset by the offline MathJax first).
+PDF := _build/pdf/efficient-attention.pdf
+pdf: $(STAMP) $(RELEASES) $(WHEEL) chromium
+	$(BIN)/python book/_execution_cache.py
+	$(BIN)/jupyter-book build . --builder singlehtml -W --keep-going
+	$(BIN)/python book/_pdf.py --site _build/singlehtml --output $(PDF)
 
 # The packages, for the steps that need them (`packages`: both, with one apt-get update).
 chromium:

@@ -5,8 +5,9 @@ environment variable CHROMIUM_PATH names another Chromium, as the GitHub workflo
 `_build/html`, served by a local http.server on 127.0.0.1. Any request to another host is
 aborted and counted as a failure: the book must work offline. For the index and every page of
 _toc.yml we check that the page loads, that math is typeset by the offline MathJax, that every
-image has loaded, that no request fails, that the console shows no errors, and that chapter
-pages offer their notebook.
+image has loaded, that no request fails, that the console shows no errors, that chapter
+pages offer their notebook, and that the buttons of every page's header (repository, issue,
+edit, download, print) point where they should.
 
 Every page must also read cleanly (`test_page_reads_cleanly`). These rules hold for every page of
 _toc.yml, whoever wrote it:
@@ -53,7 +54,7 @@ import threading
 import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urljoin, urlparse
+from urllib.parse import parse_qs, urljoin, urlparse
 
 import pytest
 import yaml
@@ -376,6 +377,99 @@ def test_chapter_offers_its_notebook(loaded, site_url, entry):
         assert response.ok, f"{path}: download link {href} answered HTTP {response.status}"
         notebook = json.loads(response.body())
         assert notebook.get("cells"), f"{path}: {href} is not a notebook"
+    assert not v.external, f"{path} requested outside hosts: {v.external}"
+
+
+def _repository() -> tuple[str, str, str]:
+    """The repository's URL, branch and path to the book, as _config.yml gives them."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))["repository"]
+    path = (config.get("path_to_book") or "").strip("/")
+    return config["url"].rstrip("/"), config.get("branch") or "main", path + "/" if path else ""
+
+
+def _source_file(entry: str) -> Path:
+    """The source of a page of _toc.yml: its notebook, else its Markdown file."""
+    for suffix in (".ipynb", ".md"):
+        if (ROOT / f"{entry}{suffix}").is_file():
+            return ROOT / f"{entry}{suffix}"
+    raise AssertionError(f"{entry} has no .ipynb or .md source")
+
+
+# The header's menus (sphinx-book-theme), by the class of their dropdown, and the class of every
+# item they may hold. An item of another kind fails the test below: check it there first.
+HEADER_MENUS = {
+    "dropdown-source-buttons": ("btn-source-repository-button", "btn-source-edit-button",
+                                "btn-source-issues-button"),
+    "dropdown-download-buttons": ("btn-download-source-button", "btn-download-pdf-button"),
+}
+
+
+@pytest.mark.parametrize("entry", PAGES[1:])
+def test_header_links_point_where_they_should(loaded, site_url, entry):
+    """Every button of the page's header is there and points where it should: the repository
+    and the issue form to _config.yml's repository (off-site: the href is checked, nothing is
+    fetched), the edit button to the page's source on its branch (a file of this repository),
+    the download button to the page's own source on this site (fetched: HTTP 200, the bytes of
+    the source), and the download menu's .pdf to the browser's printing, with the book's print
+    style sheet (book/_static/css/print.css, also fetched)."""
+    path = _html_path(entry)
+    v = loaded(path)
+    page = v.page
+    page_url = urljoin(site_url, path)
+    url, branch, path_to_book = _repository()
+    source = _source_file(entry)
+
+    items: dict[str, object] = {}
+    for menu, kinds in HEADER_MENUS.items():
+        dropdown = page.locator(f".article-header-buttons .{menu}")
+        assert dropdown.count() == 1, f"{path}: no header menu {menu}"
+        dropdown.locator("button.dropdown-toggle").click()  # Bootstrap opens the menu
+        entries = dropdown.locator(".dropdown-menu > li > *")
+        entries.first.wait_for(state="visible")
+        for index in range(entries.count()):
+            element = entries.nth(index)
+            classes = (element.get_attribute("class") or "").split()
+            kind = next((k for k in kinds if k in classes), None)
+            assert kind, f"{path}: unknown item in {menu}: {element.evaluate('e => e.outerHTML')}"
+            assert kind not in items, f"{path}: {kind} appears twice"
+            assert element.is_visible(), f"{path}: {kind} is not shown when {menu} is open"
+            items[kind] = element
+        page.keyboard.press("Escape")  # closes the menu
+    missing = {k for kinds in HEADER_MENUS.values() for k in kinds} - set(items)
+    assert not missing, f"{path}: the header lacks {sorted(missing)}"
+
+    def href(kind: str) -> str:
+        value = items[kind].get_attribute("href")
+        assert value, f"{path}: {kind} has no href"
+        return value
+
+    # Off-site links: the href only.
+    assert href("btn-source-repository-button") == url, f"{path}: repository link"
+    issue = urlparse(href("btn-source-issues-button"))
+    assert f"{issue.scheme}://{issue.netloc}{issue.path}" == f"{url}/issues/new", issue
+    assert f"/{path}" in parse_qs(issue.query).get("title", [""])[0], f"{path}: issue {issue}"
+    edit = href("btn-source-edit-button")
+    relative = source.relative_to(ROOT).as_posix()
+    assert edit == f"{url}/edit/{branch}/{path_to_book}{relative}", f"{path}: edit link {edit}"
+
+    # The download: the page's own source, on this site.
+    download = urljoin(page_url, href("btn-download-source-button"))
+    assert urlparse(download).hostname == LOCAL_HOST, f"{path}: download {download} is off-site"
+    assert download.endswith(f"/_sources/{relative}"), f"{path}: download {download}"
+    response = v.context.request.get(download)
+    assert response.status == 200, f"{path}: {download} answered HTTP {response.status}"
+    assert response.body() == source.read_bytes(), f"{path}: {download} is not {relative}"
+    assert items["btn-download-source-button"].inner_text().strip() == source.suffix, path
+
+    # The .pdf: the browser prints the page, with the book's print style sheet.
+    pdf = items["btn-download-pdf-button"]
+    assert pdf.evaluate("e => e.tagName") == "BUTTON" and pdf.get_attribute("onclick") == (
+        "window.print()"), f"{path}: .pdf is {pdf.evaluate('e => e.outerHTML')}"
+    sheets = page.evaluate("Array.from(document.styleSheets).map(s => s.href || '')")
+    print_css = [sheet for sheet in sheets if sheet.split("?")[0].endswith("/_static/print.css")]
+    assert print_css, f"{path}: the page does not link _static/print.css: {sheets}"
+    response = v.context.request.get(print_css[0])
+    assert response.status == 200 and b"@media print" in response.body(), print_css[0]
     assert not v.external, f"{path} requested outside hosts: {v.external}"
 
 
