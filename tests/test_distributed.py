@@ -5,7 +5,9 @@ process costs seconds (it imports torch), so ONE spawn of 4 processes runs every
 multi-process check: on the default group (p = 4) and on two groups of two ranks,
 {0, 1} and {2, 3}, at the same time (p = 2, and a non-default ``group=``). Each rank
 saves its measurements to a file; the tests below read them. Everything in float64,
-against :func:`~efficient_attention.softmax_attention` on the whole sequence.
+against :func:`~efficient_attention.softmax_attention` on the whole sequence. The tests of
+:func:`~efficient_attention.distributed.run_on_processes` (the launcher the chapter uses)
+start their own small groups, forked from the test process (no import, so quick).
 """
 
 from __future__ import annotations
@@ -442,3 +444,62 @@ def test_checks_for_context_parallelism():
         _checks.check_shard_length(0, "contiguous", "k")
     assert "distributed" in ea._MODULES and "ring_attention" in ea.__all__
     assert ea.distributed.ring_attention is ea.ring_attention
+
+
+# --- run_on_processes: a function on p local processes (the chapter's launcher) ------------
+
+
+def _rank_report(tag):
+    """What a rank sees: its rank, the group's size, its threads, and the argument."""
+    return dist.get_rank(), dist.get_world_size(), torch.get_num_threads(), tag
+
+
+def _fails_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one fails on purpose")
+    dist.barrier()  # rank 0 waits for a rank that never comes: killed, not hung
+
+
+def test_run_on_processes_returns_each_rank_result_in_order():
+    scale = 3.0
+
+    def local_ring_sum():  # defined here, as in a notebook: works with "fork"
+        rank, size = dist.get_rank(), dist.get_world_size()
+        value = torch.tensor([scale * (rank + 1)])
+        dist.all_reduce(value)
+        return value.item(), size
+
+    assert cp.run_on_processes(_rank_report, 2, ("x",)) == [(0, 2, 1, "x"), (1, 2, 1, "x")]
+    assert cp.run_on_processes(_rank_report, 1, ["y"], threads=2) == [(0, 1, 2, "y")]
+    assert cp.run_on_processes(local_ring_sum, 3) == [(18.0, 3)] * 3
+    assert not dist.is_initialized()  # the caller never joins a group
+    assert ea.run_on_processes is cp.run_on_processes
+
+
+def test_run_on_processes_reports_a_failing_rank_and_a_timeout():
+    with pytest.raises(mp.ProcessRaisedException, match="rank one fails on purpose"):
+        cp.run_on_processes(_fails_on_rank_one, 2, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="2 processes still running after 5 s"):
+        cp.run_on_processes(time.sleep, 2, (120,), timeout_s=5)
+    assert time.monotonic() - start < 60
+
+
+def test_run_on_processes_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="function must be callable, got int"):
+        cp.run_on_processes(3, 2)
+    with pytest.raises(TypeError, match="world_size must be a positive int"):
+        cp.run_on_processes(_rank_report, 2.0)
+    with pytest.raises(TypeError, match="args must be a tuple or list, got str"):
+        cp.run_on_processes(_rank_report, 2, "x")
+    with pytest.raises(ValueError, match=r"backend must be one of \('gloo', 'nccl'\)"):
+        cp.run_on_processes(_rank_report, 2, ("x",), backend="mpi")
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        cp.run_on_processes(_rank_report, 2, ("x",), start_method="thread")
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+        cp.run_on_processes(_rank_report, 2, ("x",), timeout_s=0)
+
+
+def test_run_on_processes_does_not_fork_a_group_member(one_rank):
+    with pytest.raises(RuntimeError, match="this process belongs to a process group"):
+        cp.run_on_processes(_rank_report, 2, ("x",), start_method="fork")

@@ -9,7 +9,9 @@ softmax attention over the whole sequence, differentiable:
 - :mod:`.ulysses`: :func:`ulysses_attention`, all-to-all from sequence shards to head
   shards and back (Jacobs et al. 2023, DeepSpeed Ulysses);
 - :mod:`.comm`: :class:`CommunicationLog`, the bytes a rank sends, and their formulas
-  :func:`ring_communication_bytes`, :func:`ulysses_communication_bytes`.
+  :func:`ring_communication_bytes`, :func:`ulysses_communication_bytes`;
+- :mod:`.processes`: :func:`run_on_processes`, a function run on ``p`` local processes
+  joined in a process group (examples, tests, the chapter on context parallelism).
 
 Both run with the ``gloo`` backend on CPU tensors and ``nccl`` on CUDA tensors;
 ``torch.distributed.init_process_group`` must have been called on every rank. With one
@@ -20,6 +22,7 @@ on 2 and 4 processes).
 
 from .comm import CommunicationLog, ring_communication_bytes, ulysses_communication_bytes
 from .layouts import shard_positions, shard_sequence, unshard_sequence
+from .processes import run_on_processes
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -32,4 +35,5 @@ __all__ = [
     "CommunicationLog",
     "ring_communication_bytes",
     "ulysses_communication_bytes",
+    "run_on_processes",
 ]
