@@ -117,8 +117,10 @@ unit: $(STAMP) bubblewrap
 notebooks: $(STAMP)
 	$(PYTEST) --dist loadfile --nbval-lax $(CHAPTERS) $(SOURCES)
 
+# Every assignment's cheat cases (tests/cheats/<name>.py); `make test` grades those of four
+# assignments (tests/test_grading.py: CASES_IN_MAKE_TEST).
 grading: $(STAMP) bubblewrap
-	$(PYTEST) --dist loadgroup tests/test_grading.py tests/test_grading_load.py
+	GRADING_CASES=all $(PYTEST) --dist loadgroup tests/test_grading.py tests/test_grading_load.py
 
 # Every assignment's solution graded on a busy machine: four CPU-bound processes per core, each
 # in its own session, and a cold page cache (tests/test_grading_load.py; `make test` grades
