@@ -50,6 +50,7 @@ ORDER = [
     "fmmformer",
     "online_softmax",
     "chunkwise_linear_attention",
+    "ring_attention",
 ]
 
 
