@@ -576,12 +576,12 @@ def test_config_timeout_and_paths():
 
 def test_cost_budget(graded):
     """Grading stays cheap, in CPU time (a busy machine stretches the clock, not this):
-    validating the source (nbgrader and the whole notebook in a kernel: about 12 s) under 30
-    s, and the grade command's own processes (nbgrader, the gradebook; the sandboxed kernels'
-    CPU time is not reported to them, bubblewrap's init reaps those) under 10 s per
-    submission."""
+    validating the source (nbgrader and the whole notebook in a kernel: about 12 s for
+    argmax_attention) under 60 s, and the grade command's own processes (nbgrader, the
+    gradebook; the sandboxed kernels' CPU time is not reported to them, bubblewrap's init
+    reaps those) under 10 s per submission."""
     cpu, students = graded["cpu"], len(graded["students"])
-    assert cpu["validate"] < 30, (cpu, graded["timings"])
+    assert cpu["validate"] < 60, (cpu, graded["timings"])
     assert cpu["grade"] < 10 * students, (cpu, graded["timings"])
 
 
