@@ -562,15 +562,26 @@ def test_sandbox_alone_holds(bwrap, server, tmp_path_factory):
     assert _sandbox_processes(tmp) == [] and list(tmp.iterdir()) == []
 
 
-def _run_cells(course: Path, workdir: Path, cells: list[str], timeout: int = 20):
-    """Run cells in one sandboxed kernel (no nbgrader, no integrity check); the notebook."""
+def _run_cells(course: Path, workdir: Path, cells: list[str], timeout: int = 20,
+               sleeping_cell_timeout: int | None = None):
+    """Run cells in one sandboxed kernel (no nbgrader, no integrity check); the notebook.
+    ``sleeping_cell_timeout``, if given, is the limit of the cells that call ``time.sleep``
+    (the ones a test expects to be interrupted); the others get ``timeout``, long enough
+    for a busy machine (a cell of a fraction of a second took over 8 s beside a full
+    test run on two cores)."""
     from nbclient import NotebookClient
+
+    def cell_timeout(cell) -> int:
+        if sleeping_cell_timeout is not None and "time.sleep" in cell.source:
+            return sleeping_cell_timeout
+        return timeout
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     config = _config(course)
-    client = NotebookClient(nb, timeout=timeout, interrupt_on_timeout=True, allow_errors=True,
+    client = NotebookClient(nb, timeout_func=cell_timeout, interrupt_on_timeout=True,
+                            allow_errors=True,
                             kernel_manager_class=sandbox.SandboxedKernelManager, config=config,
                             resources={"metadata": {"path": str(workdir)}})
     client.execute()
@@ -620,9 +631,9 @@ def test_sandboxed_kernel_directly(bwrap, tmp_path, monkeypatch):
         f"x = bytearray({settings.memory_limit_mb << 20} + 2**30)",
         f"with open('big.bin', 'wb') as big:\n"
         f"    big.write(bytes({(settings.max_file_mb + 1) << 20}))",
-        "import time\ntime.sleep(60)",
+        "import time\ntime.sleep(600)",
         "print('after the interrupt')",
-    ], timeout=8)
+    ], timeout=120, sleeping_cell_timeout=8)
     listing, secret, gradebook = _text(nb.cells[0]), _text(nb.cells[2]), nb.cells[1]
     assert "['data.txt']" in listing and f"/home/student/{NAME}" in listing, listing
     assert "True" in listing  # not root inside
