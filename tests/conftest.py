@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,30 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid, assignments)
 
     return GroupScheduling(config, log)
+
+
+# --- where the CPU goes (opt-in: CPU_PROFILE=<folder>) ----------------------------------------
+# Every test's CPU seconds (the worker's own and those of the children it reaped: kernels,
+# subprocesses, sandboxes; setup and teardown included) and wall seconds, one TSV per process,
+# summed per file by `python tests/cpu_profile.py <folder>`. CPU seconds, unlike wall-clock
+# durations, do not grow when the machine is busy, so a loaded run still says what to cut.
+
+def _cpu_seconds() -> float:
+    import resource
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    folder = os.environ.get("CPU_PROFILE")
+    if not folder:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    cpu, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / f"{os.getpid()}.tsv", "a", encoding="utf-8") as log:
+        log.write(f"{item.nodeid}\t{cpu:.3f}\t{wall:.3f}\n")

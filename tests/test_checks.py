@@ -2,10 +2,14 @@
 function (issue 14, points 5 and 6): the same input gets the same answer everywhere."""
 
 import inspect
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import efficient_attention as ea
@@ -278,3 +282,39 @@ def test_check_representable():
         with pytest.raises(ValueError, match=r"b must be finite and within the range of "
                                              r"torch.float32 \(\|x\| <= 3.4e\+38\)"):
             _checks.check_representable(bad, "b", torch.float32)
+
+
+# --- broadcast_shapes: torch's rules, without torch's import of sympy --------------------------
+
+_dims = st.lists(st.sampled_from([1, 2, 3]), max_size=4).map(tuple)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_dims, min_size=1, max_size=4))
+def test_broadcast_shapes_agrees_with_torch(shapes):
+    try:
+        expected = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        with pytest.raises(RuntimeError, match="do not broadcast"):
+            _checks.broadcast_shapes(*shapes)
+    else:
+        assert _checks.broadcast_shapes(*shapes) == expected
+
+
+def test_validating_inputs_does_not_import_sympy():
+    """torch.broadcast_shapes imports sympy (about a second of CPU per process); every
+    process that validates attention inputs (chapter kernels, distributed ranks) pays it
+    unless the library broadcasts shapes itself."""
+    code = ("import sys, torch, efficient_attention as ea\n"
+            "q = torch.randn(2, 4, 64, 16)\n"
+            "ea.softmax_attention(q, q, q); ea.tiled_attention(q, q, q)\n"
+            "ea.block_sparse_attention(q, q, q, torch.ones(2, 2, dtype=torch.bool),"
+            " block_size=32)\n"
+            "ea.topk_block_attention(q, q, q, block_size=16, top_k=2)\n"
+            "ea.linear_attention(q, q, q, causal=True)\n"
+            "ea.gated_linear_attention(q, q, q, -torch.rand(2, 4, 64))\n"
+            "print('sympy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_positive_int
+from ._checks import broadcast_shapes, check_positive_int
 from ._padding import zero_padded_rows, zeros_like_result
 
 
@@ -70,9 +70,9 @@ def flatten_batch(
     Padded keys and values are replaced by zeros here (``torch.where``), so that NaN or
     inf padding can take no part in any later product.
     """
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
-        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+        batch = broadcast_shapes(batch, mask.shape[:-1])
         k, v = zero_padded_rows(k, mask), zero_padded_rows(v, mask)
     size = math.prod(batch)
     flat = [t.expand(*batch, *t.shape[-2:]).reshape(size, *t.shape[-2:]) for t in (q, k, v)]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import (
+    broadcast_shapes,
     check_bool,
     check_module_input,
     check_positive_int,
@@ -126,7 +127,7 @@ def check_state(
 def broadcast_batch(**batch_shapes: tuple[int, ...]) -> tuple[int, ...]:
     """The broadcast of the leading (batch) dimensions, or a ValueError naming them all."""
     try:
-        return tuple(torch.broadcast_shapes(*batch_shapes.values()))
+        return tuple(broadcast_shapes(*batch_shapes.values()))
     except RuntimeError as err:
         got = ", ".join(f"{name}: {shape}" for name, shape in batch_shapes.items())
         raise ValueError(

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import (
+    broadcast_shapes,
     check_bool,
     check_key_padding_mask,
     check_nonnegative_float,
@@ -190,9 +191,9 @@ def banded_attention(
     block = min(n, max(w // 2, 16)) if block_size is None else block_size
     if block_size is not None or n > 0:
         block = check_positive_int(block, "block_size")
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
-        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+        batch = broadcast_shapes(batch, mask.shape[:-1])
     if n == 0 or math.prod(batch) == 0:
         return zeros_like_result((*batch, n, d_v), q, k, v)
     dtype = compute_dtype(q)

@@ -35,6 +35,7 @@ from ._blockwise import (
     flatten_batch,
 )
 from ._checks import (
+    broadcast_shapes,
     check_bool,
     check_causal_lengths,
     check_key_padding_mask,
@@ -258,7 +259,7 @@ class RecurrentLinearAttention(nn.Module):
         check_causal_lengths(q.shape[-2], k.shape[-2])
         n = q.shape[-2]
         if n == 0:  # nothing to add to the state
-            batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
             return zeros_like_result((*batch, 0, v.shape[-1]), q, k, v)
         outputs = [self.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(n)]
         return torch.stack(outputs, dim=-2)  # (..., n, d_v)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ._checks import (
+    broadcast_shapes,
     check_bool,
     check_generator,
     check_key_padding_mask,
@@ -253,9 +254,9 @@ def nystrom_attention(
         check_nonnegative_int(pinv_iterations, "pinv_iterations")
     mask = _compact(check_key_padding_mask(key_padding_mask, k.shape, k.device))
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     if mask is not None:
-        batch = torch.broadcast_shapes(batch, mask.shape[:-1])
+        batch = broadcast_shapes(batch, mask.shape[:-1])
     if n_q == 0 or n_k == 0 or 0 in batch:  # no query, or no key to attend to: zeros
         return zeros_like_result((*batch, n_q, v.shape[-1]), q, k, v)
     dtype = compute_dtype(q)

@@ -17,6 +17,7 @@ __all__ = [
     "check_key_padding_mask",
     "check_block_mask",
     "check_module_input",
+    "broadcast_shapes",
 ]
 
 
@@ -77,6 +78,26 @@ def check_same_last_dim(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: s
         )
 
 
+def broadcast_shapes(*shapes: tuple[int, ...] | torch.Size) -> torch.Size:
+    """The shape the given shapes broadcast to (NumPy's rules), as ``torch.broadcast_shapes``.
+
+    In plain Python: ``torch.broadcast_shapes`` imports sympy on its first call (about a
+    second of CPU in every process that validates an input: each chapter's kernel, each
+    rank of a distributed test). Raises ``RuntimeError`` (as torch does) when a dimension
+    differs and neither is 1.
+    """
+    width = max((len(shape) for shape in shapes), default=0)
+    result = [1] * width
+    for shape in shapes:
+        for axis, size in enumerate(shape, start=width - len(shape)):
+            if size != 1:
+                if result[axis] not in (1, size):
+                    raise RuntimeError(f"shapes {[tuple(s) for s in shapes]} do not broadcast: "
+                                       f"{result[axis]} against {size} in dimension {axis}")
+                result[axis] = size
+    return torch.Size(result)
+
+
 def _joined(words: list[str]) -> str:
     return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
 
@@ -86,7 +107,7 @@ def _check_together(tensors: dict[str, torch.Tensor]) -> None:
     dimensions, one dtype, one device (the messages name every input)."""
     names = _joined(list(tensors))
     try:
-        torch.broadcast_shapes(*(t.shape[:-2] for t in tensors.values()))
+        broadcast_shapes(*(t.shape[:-2] for t in tensors.values()))
     except RuntimeError as err:
         shapes = _joined([f"{n}.shape={tuple(t.shape)}" for n, t in tensors.items()])
         raise ValueError(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import (
+    broadcast_shapes,
     check_bool,
     check_causal_lengths,
     check_head_shards,
@@ -113,7 +114,7 @@ def ulysses_attention(
     group = check_process_group(group)
     log = check_optional_instance(log, CommunicationLog, "log")
     world_size = dist.get_world_size(group)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     check_head_shards(batch, world_size)
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     check_shard_length(n_q, layout, "q")

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import (
+    broadcast_shapes,
     check_block_mask,
     check_bool,
     check_causal_lengths,
@@ -300,7 +301,7 @@ def block_sparse_attention(
     n_q, n_k = q.shape[-2], k.shape[-2]
     if causal:
         check_causal_lengths(n_q, n_k)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     block_mask = check_block_mask(block_mask, batch, (num_blocks(n_q, block_size),
                                                       num_blocks(n_k, block_size)), q.device)
     return _block_sparse(q, k, v, block_mask, mask, None, batch, block_size, causal)

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import (
+    broadcast_shapes,
     check_bool,
     check_even_positive_int,
     check_generator,
@@ -243,7 +244,7 @@ def lsh_attention(
     causal = check_bool(causal, "causal")
     generator = check_generator(generator)
     deduplicate = check_bool(deduplicate, "deduplicate")
-    batch = torch.broadcast_shapes(qk.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(qk.shape[:-2], v.shape[:-2])
     n, d, d_v = qk.shape[-2], qk.shape[-1], v.shape[-1]
     dtype = compute_dtype(qk)
     rotations = _rotations(d, num_hashes, num_buckets, generator, dtype, qk.device)

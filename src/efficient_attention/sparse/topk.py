@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import (
+    broadcast_shapes,
     check_bool,
     check_causal_lengths,
     check_nonnegative_int,
@@ -186,7 +187,7 @@ def topk_block_attention(
     q, k, v = check_qkv(q, k, v)
     _validate(q, k, block_size, top_k, causal, per_query)
     selected = _select(q, k, block_size, top_k, causal, per_query)
-    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     n_q = q.shape[-2]
     if per_query:
         nb_q = num_blocks(n_q, block_size)
