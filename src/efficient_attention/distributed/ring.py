@@ -53,7 +53,7 @@ from .._checks import (
     check_shard_length,
     compute_dtype,
 )
-from ..tiling import DEFAULT_BLOCK_SIZE, merge_softmax_partials
+from ..tiling import DEFAULT_BLOCK_SIZE
 from ..tiling import _backward as tile_backward
 from ..tiling import _forward as tile_forward
 from .comm import CommunicationLog, Ring
@@ -80,32 +80,44 @@ def block_task(rank: int, source: int, *, causal: bool, layout: str, n_q: int,
     return slice(n_q // 2, None), ALL, False  # only our late chunk sees s > r, all of it
 
 
-def _ring_forward(q, kv, key_dim, causal, layout, ring):
-    """``q (B, m_q, d)`` (scaled, compute dtype), ``kv (B, m_k, d + d_v)`` -> ``out (B, m_q,
-    d_v)`` and ``lse (B, m_q)``."""
-    dtype, n_q, n_k = q.dtype, q.shape[1], kv.shape[1]
+def _merge_in_place(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                    block_lse: torch.Tensor) -> None:
+    """``out, lse`` (views of the running result) <- their merge with a block's partial
+    result (``merge_softmax_partials``' formula), in place: no output-sized temporary
+    (``block_out`` is overwritten). A side with ``lse = -inf`` gets weight 0."""
+    merged = torch.logaddexp(lse, block_lse)
+    keep = torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1)
+    add = torch.exp(block_lse - merged).nan_to_num_(0.0).unsqueeze(-1)
+    out.mul_(keep).add_(block_out.mul_(add))
+    lse.copy_(merged)
+
+
+def _ring_forward(q, k, v, causal, layout, ring):
+    """``q (B, m_q, d)`` (scaled, compute dtype), ``k (B, m_k, d)``, ``v (B, m_k, d_v)`` ->
+    ``out (B, m_q, d_v)`` and ``lse (B, m_q)``. The rank's own keys and values are sent
+    as they are (two messages a step, no concatenated copy); at any time the rank holds
+    the block it computes on and the one arriving, besides its own inputs and output."""
+    dtype, n_q, n_k = q.dtype, q.shape[1], k.shape[1]
     out = lse = None
-    current = kv
+    current = [k, v]
     for step in range(ring.size):
         # Pass the current block on before computing on it: the transfer overlaps.
         last = step == ring.size - 1
-        pending = None if last else ring.start_exchange([current], "forward")
+        pending = None if last else ring.start_exchange(current, "forward")
         task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
                           n_q=n_q, n_k=n_k)
         if task is not None:
             rows, keys, diagonal = task
-            block = current[:, keys].to(dtype)  # (B, keys, d + d_v)
-            block_out, block_lse = tile_forward(q[:, rows], block[..., :key_dim],
-                                                block[..., key_dim:], None, diagonal,
-                                                *DEFAULT_BLOCK_SIZE)
+            block_keys, block_values = (x[:, keys].to(dtype) for x in current)
+            block_out, block_lse = tile_forward(q[:, rows], block_keys, block_values, None,
+                                                diagonal, *DEFAULT_BLOCK_SIZE)
             if out is None:  # step 0: the rank's own block, every query
                 out, lse = block_out, block_lse
             else:
-                out[:, rows], lse[:, rows] = merge_softmax_partials(
-                    out[:, rows], lse[:, rows], block_out, block_lse)
-            del block_out, block_lse
+                _merge_in_place(out[:, rows], lse[:, rows], block_out, block_lse)
+            del block_out, block_lse, block_keys, block_values
         if pending is not None:
-            (current,) = pending.wait()
+            current = pending.wait()
     return out, lse
 
 
@@ -147,21 +159,22 @@ def _ring_backward(q, kv, out, lse, grad_out, key_dim, causal, layout, ring):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward saves this rank's ``q``, ``[k, v]``, output and ``lse``, nothing of other
+    """Forward saves this rank's ``q``, ``k``, ``v``, output and ``lse``, nothing of other
     ranks: their blocks travel round again in the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, layout, ring):
-        kv = torch.cat([k, v], dim=-1)  # (B, m_k, d + d_v): one message per step
-        out, lse = _ring_forward(q, kv, k.shape[-1], causal, layout, ring)
-        ctx.save_for_backward(q, kv, out, lse)
+        out, lse = _ring_forward(q, k, v, causal, layout, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.layout, ctx.ring, ctx.key_dim = causal, layout, ring, k.shape[-1]
         return out
 
     @staticmethod
     @once_differentiable  # a second derivative raises instead of being silently wrong
     def backward(ctx, grad_out):
-        q, kv, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        kv = torch.cat([k, v], dim=-1)  # (B, m_k, d + d_v): one message per step
+        del k, v
         grad_q, grad_kv = _ring_backward(q, kv, out, lse, grad_out, ctx.key_dim, ctx.causal,
                                          ctx.layout, ctx.ring)
         grad_kv = grad_kv.to(kv.dtype)
@@ -214,7 +227,10 @@ def ring_attention(
     Cost per rank, ``m = n / p``, ``B`` batch elements: time ``O(B m n (d + d_v))``
     forward (``p`` blocks; causal: ``r + 1/2`` blocks on rank ``r`` contiguous,
     ``p / 2`` blocks every rank zigzag) and about 2.5 times that backward; memory
-    ``O(B m (d + d_v))`` plus one tile of scores, never ``n``-sized. Communication
+    ``O(B m (d + d_v))`` plus one tile of scores, never ``n``-sized: in the forward, besides
+    its inputs, a rank holds its scaled queries, its output, one block's partial output
+    (merged into the output in place) and two blocks of keys and values, the one it
+    computes on and the one arriving (about ``7 B m d`` numbers for ``d_v = d``). Communication
     (:func:`~efficient_attention.distributed.ring_communication_bytes`): forward
     ``(p - 1) B m (d + d_v) s`` bytes (``s`` the element size; ``2 (p - 1) (n/p) d B s``
     for ``d_v = d``), backward that again plus ``p B m (d + d_v) s_acc`` for the
