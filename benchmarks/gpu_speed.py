@@ -43,9 +43,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
+from _timing import prefer_passive_wait_policy, time_in_turns  # noqa: E402
+
+prefer_passive_wait_policy()  # before torch starts OpenMP (see _timing.py); no effect on a GPU
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _timing import time_in_turns  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 
