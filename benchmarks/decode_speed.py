@@ -35,6 +35,21 @@ simply advance (their cost does not depend on n).
 Bytes: what each method keeps per sequence after the n tokens, for all 8 heads:
 ``used_nbytes`` of a cache (keys and values held), the state tensors of the recurrences.
 
+What bounds a step (a roofline, measured in the same run, in the same turns):
+
+- diagnostics: the steps of ``mha``, ``gqa`` and ``mqa`` with torch limited to one thread
+  for the call (``<method>_1thread``). The fused CPU kernel shares its work out by
+  (batch, key-value head, block of 32 query rows): 8 items for ``mha``, 2 for ``gqa``, 1
+  for ``mqa``. A step that takes as long on one thread as on two used one.
+- memory: at every n, a streaming read (``torch.sum``) of a float32 buffer of the bytes of
+  the ``mha`` cache, and a ``copy_`` of it into another (bytes read plus bytes written).
+- machine: a ``MATMUL`` x ``MATMUL`` float32 matrix product, on ``THREADS`` threads and on
+  one: the FLOP rate of a large, compute-bound product.
+- roofline: for each cache step, the bytes of cache it reads (keys and values of the
+  ``m`` positions it sees: ``m = n + 1``, or at most ``w + 1`` for the window), its
+  operations (``4 h_q d m``: a dot product and a term of the weighted sum per query head
+  and position) and the achieved rates, bytes / median time and operations / median time.
+
 Writes ``decode_speed.json``, ``.md`` and ``.png`` (``benchmarks/results/`` or ``--out``).
 JSON keys (stable; ``book/kv_cache.ipynb`` reads them; ``<n>`` a length as a string)::
 
@@ -45,10 +60,18 @@ JSON keys (stable; ``book/kv_cache.ipynb`` reads them; ``<n>`` a length as a str
                   "repeats", "sizes": [n, ...]}
     methods      {<method>: label}   the methods timed
     skipped      {<method>: reason}  the methods that could not run
-    time         {<n>: {<method>: {"median_ms": float, "times_ms": [...]}}}
+    diagnostics  {<name>: label}   timed like the methods, not plotted: <method>_1thread
+    time         {<n>: {<method or diagnostic>: {"median_ms": float, "times_ms": [...]}}}
     state_bytes  {<n>: {<method>: int}}
-    ratios       {<n>: {"<method> / mha": float}}   medians, same run
+    ratios       {<n>: {"<method or diagnostic> / mha": float}}   medians, same run
     growth       {<method>: median at the largest n / median at the smallest n}
+    memory       {<n>: {"bytes": int, "read": {"median_ms", "times_ms", "gbs"},
+                        "copy": {"median_ms", "times_ms", "gbs"}}}  (GB/s = 1e9 bytes/s;
+                 the copy's GB/s count the bytes read and written, 2 * bytes)
+    machine      {"matmul": {"size", "threads", "flop", "median_ms", "times_ms", "gflops"},
+                  "matmul_1thread": {...}}
+    roofline     {<n>: {<cache method or diagnostic>: {"positions", "bytes_read", "flop",
+                        "intensity", "gbs", "gflops"}}}   (intensity: flop / bytes_read)
 """
 
 from __future__ import annotations
@@ -83,6 +106,7 @@ WINDOW = 1024
 PREFILL_BLOCK = 1024  # tokens appended at a time when the cache is filled
 FULL = {"sizes": [512, 1024, 2048, 4096, 8192, 16384], "repeats": 40}
 QUICK = {"sizes": [128, 256, 512], "repeats": 5}
+MATMUL = 512  # the side of the square product that measures the FLOP rate
 LABELS = {
     "mha": "softmax, KV cache, 8 kv heads (MHA)",
     "gqa": "softmax, KV cache, 2 kv heads (GQA)",
@@ -92,6 +116,8 @@ LABELS = {
     "linear": "recurrent linear (elu+1)",
     "gated": "recurrent gated (GLA)",
 }
+CACHES = ("mha", "sdpa_mha", "gqa", "mqa", "window")  # the steps that read a KV cache
+DIAGNOSTICS = {f"{name}_1thread": f"{LABELS[name]}, one thread" for name in ("mha", "gqa", "mqa")}
 
 
 def gated_step_function():
@@ -101,6 +127,22 @@ def gated_step_function():
     except ImportError as error:
         return None, f"efficient_attention.recurrent is not importable: {error}"
     return gated_linear_attention_step, None
+
+
+def kv_heads(method: str) -> int:
+    """Key-value heads of a cache method (or of the method of a diagnostic)."""
+    return {"gqa": 2, "mqa": 1}.get(method.removesuffix("_1thread"), HEADS)
+
+
+def one_thread(step):
+    """``step`` with torch limited to one thread for the call (then ``THREADS`` again)."""
+    def call():
+        torch.set_num_threads(1)
+        try:
+            return step()
+        finally:
+            torch.set_num_threads(THREADS)
+    return call
 
 
 def random_token(gen: torch.Generator, kv_heads: int) -> dict[str, torch.Tensor]:
@@ -161,12 +203,15 @@ def gated_state(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
 def methods_at(n: int, gen: torch.Generator, gated_step) -> tuple[dict, dict]:
     """Zero-argument step functions and the bytes each method holds after n tokens."""
     steps, state_bytes = {}, {}
-    for name, kv_heads in (("mha", HEADS), ("gqa", 2), ("mqa", 1)):
-        cache = filled(ea.KVCache(n + 1), n, kv_heads, gen)
+    for name in ("mha", "gqa", "mqa"):
+        heads = kv_heads(name)
+        cache = filled(ea.KVCache(n + 1), n, heads, gen)
         state_bytes[name] = cache.used_nbytes
-        steps[name] = cache_step(cache, random_token(gen, kv_heads), n)
+        steps[name] = cache_step(cache, random_token(gen, heads), n)
+        # the same step on the same cache, on one thread (a diagnostic, not a method)
+        steps[f"{name}_1thread"] = one_thread(cache_step(cache, random_token(gen, heads), n))
         if name == "mha":
-            steps["sdpa_mha"] = sdpa_step(cache, random_token(gen, kv_heads), n)
+            steps["sdpa_mha"] = sdpa_step(cache, random_token(gen, heads), n)
             state_bytes["sdpa_mha"] = cache.used_nbytes
     window = filled(ea.SlidingWindowKVCache(WINDOW), n, HEADS, gen)
     state_bytes["window"] = window.used_nbytes
@@ -186,6 +231,36 @@ def methods_at(n: int, gen: torch.Generator, gated_step) -> tuple[dict, dict]:
             return out
         steps["gated"] = gated
     return steps, state_bytes
+
+
+def memory_calls(n: int) -> tuple[dict, int]:
+    """A streaming read (``torch.sum``) of a float32 buffer of the bytes of the n-token MHA
+    cache, and a ``copy_`` of it into another buffer; and those bytes."""
+    numbers = 2 * HEADS * n * HEAD_DIM
+    source, target = torch.ones(numbers), torch.empty(numbers)
+    return {"read": source.sum, "copy": lambda: target.copy_(source)}, 4 * numbers
+
+
+def matmul_calls(gen: torch.Generator) -> dict:
+    """A ``MATMUL`` x ``MATMUL`` float32 product on ``THREADS`` threads and on one."""
+    a, b = (torch.randn(MATMUL, MATMUL, generator=gen) for _ in range(2))
+
+    def product():
+        return a @ b
+    return {"matmul": product, "matmul_1thread": one_thread(product)}
+
+
+def roofline(n: int, name: str, median_ms: float) -> dict:
+    """Positions seen, bytes of cache read, operations and the achieved rates of one cache
+    step (or diagnostic) with n tokens cached: float32 keys and values of ``kv_heads`` heads
+    at ``m`` positions, ``4 h_q d m`` operations (module docstring)."""
+    positions = min(n + 1, WINDOW + 1) if name == "window" else n + 1
+    bytes_read = 2 * kv_heads(name) * positions * HEAD_DIM * 4
+    flop = 4 * HEADS * HEAD_DIM * positions
+    seconds = median_ms / 1e3
+    return {"positions": positions, "bytes_read": bytes_read, "flop": flop,
+            "intensity": flop / bytes_read, "gbs": bytes_read / seconds / 1e9,
+            "gflops": flop / seconds / 1e9}
 
 
 def time_turns(calls: dict, repeats: int) -> dict:
@@ -225,13 +300,34 @@ def markdown(report: dict) -> str:
     lines += ["", "## Growth of the step time from the smallest to the largest n", "",
               "| method | growth |", "|---|---|"]
     lines += [f"| {report['methods'][m]} | {g:.2f} |" for m, g in report["growth"].items()]
+    rated = [*CACHES, *report["diagnostics"]]
+    labels = {**report["methods"], **report["diagnostics"]}
+    for title, key in (("Achieved bandwidth of a cache step (GB/s)", "gbs"),
+                       ("Achieved FLOP rate of a cache step (GFLOP/s)", "gflops")):
+        lines += ["", f"## {title}", "",
+                  "bytes of keys and values read, or 4 h_q d m operations, over the median "
+                  "time", "",
+                  "| n | " + " | ".join(labels[m] for m in rated) + " |",
+                  "|---" * (len(rated) + 1) + "|"]
+        for n, row in report["roofline"].items():
+            lines.append(f"| {n} | " + " | ".join(f"{row[m][key]:.2f}" for m in rated) + " |")
+    lines += ["", "## The machine, in the same run", "",
+              "| n | bytes (MHA cache) | read (GB/s) | copy (GB/s, read + written) |",
+              "|---|---|---|---|"]
+    for n, row in report["memory"].items():
+        lines.append(f"| {n} | {row['bytes']} | {row['read']['gbs']:.2f} | "
+                     f"{row['copy']['gbs']:.2f} |")
+    lines += [""] + [f"- {size}: float32 product of {entry['size']} x {entry['size']} matrices, "
+                     f"{entry['threads']} thread(s): {entry['gflops']:.1f} GFLOP/s"
+                     for size, entry in report["machine"].items()]
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict):
-    """Time per step and bytes held, against n (log-log)."""
+    """Time per step, bytes held and the achieved bandwidth of the cache steps, against n
+    (log-log), the streaming read of the machine beside the last."""
     plt = pyplot()
-    fig, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_time, ax_bytes, ax_rate) = plt.subplots(1, 3, figsize=(17, 4.5))
     sizes = [int(n) for n in report["time"]]
     for name, label in report["methods"].items():
         style = ":" if name == "sdpa_mha" else "-"
@@ -243,7 +339,16 @@ def plot(report: dict):
                 title="one decoding step, 8 query heads of 64")
     ax_bytes.set(xlabel="context length n", ylabel="MiB kept per sequence",
                  title="cache or state (float32)")
-    for ax in (ax_time, ax_bytes):
+    labels = {**report["methods"], **report["diagnostics"]}
+    for name in [*CACHES, *report["diagnostics"]]:
+        ax_rate.loglog(sizes, [report["roofline"][str(n)][name]["gbs"] for n in sizes],
+                       ":" if name in report["diagnostics"] else "-", marker="o",
+                       label=labels[name])
+    ax_rate.loglog(sizes, [report["memory"][str(n)]["read"]["gbs"] for n in sizes], "k--",
+                   label="streaming read (torch.sum)")
+    ax_rate.set(xlabel="context length n", ylabel="GB/s of cache read",
+                title="achieved bandwidth of a step")
+    for ax in (ax_time, ax_bytes, ax_rate):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -274,22 +379,38 @@ def main(argv: list[str] | None = None) -> None:
         "methods": {name: label for name, label in LABELS.items()
                     if name != "gated" or gated_step is not None},
         "skipped": {} if gated_step is not None else {"gated": gated_missing},
-        "time": {}, "state_bytes": {}, "ratios": {},
+        "diagnostics": dict(DIAGNOSTICS),
+        "time": {}, "state_bytes": {}, "ratios": {}, "memory": {}, "roofline": {},
     }
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        calls = {}
+        calls, memory_bytes = {}, {}
         for n in plan["sizes"]:  # every cache and state first: then all of them take turns
             steps, report["state_bytes"][str(n)] = methods_at(n, gen, gated_step)
             calls.update({(n, name): step for name, step in steps.items()})
+            streams, memory_bytes[n] = memory_calls(n)
+            calls.update({(n, name): stream for name, stream in streams.items()})
+        calls.update({("machine", name): call for name, call in matmul_calls(gen).items()})
         timed = time_turns(calls, plan["repeats"])
     for n in plan["sizes"]:
-        row = {name: timed[(n, name)] for name in report["methods"]}
+        row = {name: timed[(n, name)] for name in [*report["methods"], *DIAGNOSTICS]}
         report["time"][str(n)] = row
         report["ratios"][str(n)] = {f"{name} / mha": row[name]["median_ms"]
                                     / row["mha"]["median_ms"] for name in row}
+        report["roofline"][str(n)] = {name: roofline(n, name, row[name]["median_ms"])
+                                      for name in [*CACHES, *DIAGNOSTICS]}
+        size = memory_bytes[n]
+        report["memory"][str(n)] = {"bytes": size, **{
+            name: {**timed[(n, name)], "gbs": moved * size / timed[(n, name)]["median_ms"] / 1e6}
+            for name, moved in (("read", 1), ("copy", 2))}}
         print(f"n = {n}: " + ", ".join(f"{name} {entry['median_ms']:.3f} ms"
-                                       for name, entry in row.items()), flush=True)
+                                       for name, entry in row.items())
+              + f"; read {report['memory'][str(n)]['read']['gbs']:.1f} GB/s", flush=True)
+    flop = 2 * MATMUL**3
+    report["machine"] = {name: {"size": MATMUL, "threads": threads, "flop": flop,
+                                **timed[("machine", name)],
+                                "gflops": flop / timed[("machine", name)]["median_ms"] / 1e6}
+                         for name, threads in (("matmul", THREADS), ("matmul_1thread", 1))}
     first, last = str(plan["sizes"][0]), str(plan["sizes"][-1])
     report["growth"] = {name: report["time"][last][name]["median_ms"]
                         / report["time"][first][name]["median_ms"] for name in report["methods"]}
