@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = ("attention_speed.py", "recurrent_speed.py", "decode_speed.py", "tiled_attention.py",
-           "train_models.py", "train_recurrent.py")
+           "train_models.py", "train_recurrent.py", "sparse_speed.py", "ring_speed.py",
+           "gpu_speed.py")
 
 
 def _load(name: str):
