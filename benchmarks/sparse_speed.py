@@ -762,6 +762,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                 print(f"    memory probe failed: {error}", flush=True)
     report["targets"] = check_targets(report)
     report["conditions"].update(run_conditions(end=True))
+    # a run that other work joined is as preliminary as one that began beside it
+    end_load = report["conditions"].get("load_average_end") or [0, 0, 0]
+    report["preliminary"] = bool(report["preliminary"] or max(end_load[:2]) > 1.0)
     report["wall_s"] = time.perf_counter() - began
     for label, entry in report["targets"].items():
         flex = entry["flex_attention"]
