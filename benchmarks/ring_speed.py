@@ -86,7 +86,7 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
-from attention_speed import release_free_memory, status_bytes  # noqa: E402
+from attention_speed import release_free_memory, run_once, status_bytes  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 from efficient_attention import distributed as cp  # noqa: E402
@@ -112,17 +112,6 @@ def whole_sequence(n: int) -> list[torch.Tensor]:
     """``q, k, v`` and the output gradient, ``(1, 8, n, 64)``, the same on every rank."""
     g = torch.Generator().manual_seed(n)
     return [torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(4)]
-
-
-def run_once(workload: str, method, x: dict) -> None:
-    """One forward call (no autograd), or one training step: forward, then backward."""
-    if workload == "forward":
-        with torch.inference_mode():
-            method(x)
-        return
-    for name in ("q", "k", "v"):
-        x[name].grad = None
-    method(x).backward(x["grad_out"])
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:

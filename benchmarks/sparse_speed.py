@@ -99,7 +99,7 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
-from attention_speed import release_free_memory, status_bytes  # noqa: E402
+from attention_speed import release_free_memory, run_once, status_bytes  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 
@@ -360,17 +360,6 @@ def plan(n: int, block_size: int, masks: dict, reformer, flex_compiled: bool) ->
         for workload in WORKLOADS:
             calls[workload][name] = call if n <= LSH_MAX_N else f"n > {LSH_MAX_N}"
     return calls
-
-
-def run_once(workload: str, method, x: dict) -> None:
-    """One forward call (no autograd), or one training step: forward, then backward."""
-    if workload == "forward":
-        with torch.inference_mode():
-            method(x)
-        return
-    for name in ("q", "k", "v"):
-        x[name].grad = None
-    method(x).backward(x["grad_out"])
 
 
 # --- time -------------------------------------------------------------------------------------
