@@ -49,6 +49,7 @@ prefer_passive_wait_policy()  # before torch starts OpenMP (see _timing.py); no 
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from sparse_speed import nearest_window  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 
@@ -84,14 +85,6 @@ def peak_extra_mib(call, device: torch.device) -> float | None:
     synchronize(device)
     del result
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
-
-def window_for_density(blocks: int, density: float) -> int:
-    """The sliding-window half-width (in blocks) whose mask density is nearest ``density``."""
-    def mask_density(window: int) -> float:
-        mask = ea.longformer_block_mask(blocks * BLOCK, block_size=BLOCK, window=window)
-        return mask.float().mean().item()
-    return min(range(blocks), key=lambda w: abs(mask_density(w) - density))
 
 
 def flex_call(q, k, v, block_mask: torch.Tensor, device: torch.device):
@@ -151,7 +144,7 @@ def sparse_section(config: dict, device: torch.device, dtype: torch.dtype) -> di
     gen = torch.Generator().manual_seed(0)
     for n in config["sparse_sizes"]:
         blocks = n // BLOCK
-        window = window_for_density(blocks, 1 / 8)
+        window = nearest_window(blocks, 1 / 8)
         masks = {"window 1/8": ea.longformer_block_mask(n, block_size=BLOCK, window=window),
                  "random 1/8": ea.bigbird_block_mask(n, block_size=BLOCK, window=0,
                                                      num_global=0,
