@@ -193,3 +193,32 @@ def test_ring_samples_are_the_slowest_rank_paired_by_pass(ring_speed):
     ratios = ring_speed.compute_ratios(timings)
     assert ratios["forward"]["ring p=4 / tiled"] == pytest.approx(5.0)  # per pass: 5, 5
     assert ratios["forward"]["ring p=2 / ring p=1"] == pytest.approx(2.0)
+
+
+def test_committed_reformer_run_supports_the_readme():
+    """benchmarks/README.md quotes the run with reformer-pytorch importable
+    (results/sparse_speed_reformer/): its ranges must be those of the stored ratios."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "sparse_speed_reformer"
+                      / "sparse_speed.json").read_text())
+    assert run["peers"] == {"LSH (reformer-pytorch)": "timed"} and not run["quick"]
+    sizes = [str(n) for n in run["setting"]["sizes"]]
+    assert sizes == ["1024", "2048", "4096"]
+
+    def ratios(workload, label):
+        return [run["ratios"][n][workload][label] for n in sizes]
+
+    counted = "LSH (ours, duplicates counted) / LSH (reformer-pytorch)"
+    exact = "LSH (ours) / LSH (reformer-pytorch)"
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    for low, high, values in (
+            (1.02, 1.16, ratios("forward", counted)), (0.86, 0.97, ratios("train", counted)),
+            (1.9, 2.4, ratios("forward", exact)), (1.3, 1.5, ratios("train", exact))):
+        assert round(min(values), len(str(low)) - 2) == low, values
+        assert round(max(values), len(str(high)) - 2) == high, values
+        assert f"{low}" in readme and f"{high}" in readme
+    # both LSH implementations slower than dense SDPA at every length, both workloads
+    for n in sizes:
+        for workload in ("forward", "train"):
+            times = run["time"][n][workload]
+            assert times["LSH (reformer-pytorch)"]["median_ms"] > times["SDPA"]["median_ms"]
+            assert times["LSH (ours)"]["median_ms"] > times["SDPA"]["median_ms"]
