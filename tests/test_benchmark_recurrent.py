@@ -99,3 +99,55 @@ def test_train_recurrent_quick_run_matches_the_committed_structure(tmp_path):
     assert quick["config"]["attention_kinds"] == committed["config"]["attention_kinds"]
     assert sorted(quick["runs"]) == sorted(committed["runs"]) == sorted(quick["summary"])
     assert {"gated", "delta", "linear", "softmax"} <= set(quick["runs"])
+    assert quick["config"]["models"] == list(quick["runs"])  # the kinds and the variants
+    assert set(quick["config"]["variants"]) <= set(quick["runs"])
+    queries = quick["config"]["evaluation"]["batch_size"]
+    for runs in quick["runs"].values():
+        for run in runs:  # one answer per held-out query, giving the stored accuracy
+            assert len(run["eval_correct"]) == queries and set(run["eval_correct"]) <= {"0", "1"}
+            assert run["eval_correct"].count("1") / queries == pytest.approx(run["eval_accuracy"])
+    timing = quick["step_timing"]
+    assert set(timing["time"]) == set(quick["runs"])
+    assert set(timing["ratio_to_softmax"]) == set(quick["runs"]) - {"softmax"}
+    for ratio in timing["ratio_to_softmax"].values():
+        assert len(ratio["per_round"]) == timing["rounds"] and ratio["median"] > 0
+    capacity = quick["capacity"]
+    assert set(capacity["rules"]) == {"sum", "delta"}
+    for measured in capacity["rules"].values():
+        assert len(measured["error"]) == len(measured["accuracy"]) == len(capacity["widths"])
+    assert capacity["bound"] == [max(0.0, 1 - d / capacity["facts"]) for d in capacity["widths"]]
+
+
+def test_short_convolution_looks_back_only(monkeypatch):
+    """The short convolution of train_recurrent.py: causal, width 4, one weight per channel,
+    head and shift, then SiLU; with the weight 1 on the current token it is SiLU alone."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _timing
+    spec = importlib.util.spec_from_file_location("train_recurrent_module",
+                                                  ROOT / "benchmarks" / "train_recurrent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = {}
+
+    def inner(q, k, v, *, causal, key_padding_mask=None):
+        seen.update(q=q, k=k, v=v, causal=causal)
+        return v
+
+    conv = module.ShortConvolution(inner, num_heads=2, dim_head=3, width=4)
+    q, k, v = torch.randn(3, 5, 2, 10, 3, dtype=torch.float64).unbind(0)
+    conv.double()
+    out = conv(q, k, v, causal=True)
+    changed = v.clone()
+    changed[..., 6:, :] += 1.0  # later tokens change: the first six outputs do not
+    assert torch.equal(conv(q, k, changed, causal=True)[..., :6, :], out[..., :6, :])
+    expected = sum(conv.weight[2, ..., s] * torch.nn.functional.pad(v, (0, 0, s, 0))[..., :10, :]
+                   for s in range(4))  # x_{t-s}, zero before the sequence
+    assert torch.allclose(out, torch.nn.functional.silu(expected))
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.weight[..., 0] = 1.0
+    assert torch.allclose(conv(q, k, v, causal=True), torch.nn.functional.silu(v))
+    assert seen["causal"] is True
+    with pytest.raises(ValueError):
+        conv(q, k, v, causal=False)
