@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -133,16 +134,18 @@ def _own_cgroup() -> Path | None:
     for parent, usage in ((Path("/sys/fs/cgroup/cpuacct"), "cpuacct.usage"),
                           (Path("/sys/fs/cgroup/unified"), "cpu.stat"),
                           (Path("/sys/fs/cgroup"), "cpu.stat")):
+        if not (parent / "cgroup.procs").is_file():
+            continue
+        group = parent / name
         try:
-            if not (parent / "cgroup.procs").is_file():
-                continue
-            group = parent / name
             group.mkdir(exist_ok=True)
             (group / "cgroup.procs").write_text(str(os.getpid()))
             if (group / usage).is_file():
                 return group / usage
         except OSError:
-            continue
+            pass
+        with contextlib.suppress(OSError):  # not usable: leave no empty group behind
+            group.rmdir()
     return None
 
 

@@ -5,6 +5,7 @@ made, and the summary says when it could not."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,7 +52,7 @@ def test_profile_counts_processes_the_test_never_reaped(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          str(tests)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "CPU_PROFILE": str(folder)})
+        env={**os.environ, "CPU_PROFILE": str(folder)})
     assert run.returncode == 0, run.stdout + run.stderr
     rows, methods = cpu_profile.read(folder)
     assert [row[0].rpartition("::")[2] for row in rows] == ["test_orphan_burns_cpu"]
