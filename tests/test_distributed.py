@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from multiprocessing import forkserver
 from pathlib import Path
@@ -454,8 +455,11 @@ def _rank_report(tag):
     return dist.get_rank(), dist.get_world_size(), torch.get_num_threads(), tag
 
 
-def _fails_on_rank_one():
+def _fails_on_rank_one(linger_s=0.0):
     if dist.get_rank() == 1:
+        # A thread that outlives the error holds rank 1's exit back by linger_s, so that
+        # rank 0, failing in consequence, exits first: the race seen in CI, made certain.
+        threading.Thread(target=time.sleep, args=(linger_s,)).start()
         raise ValueError("rank one fails on purpose")
     dist.barrier()  # rank 0 waits for a rank that never comes: killed, not hung
 
@@ -479,6 +483,14 @@ def test_run_on_processes_returns_each_rank_result_in_order():
 def test_run_on_processes_reports_a_failing_rank_and_a_timeout():
     with pytest.raises(mp.ProcessRaisedException, match="rank one fails on purpose"):
         cp.run_on_processes(_fails_on_rank_one, 2, timeout_s=60)
+    # rank 0's consequent error ("connection closed by peer") exits first; the cause is
+    # still the error reported, and rank 0 is named as failing after it
+    with pytest.raises(mp.ProcessRaisedException) as raised:
+        cp.run_on_processes(_fails_on_rank_one, 2, (3.0,), timeout_s=60)
+    assert raised.value.error_index == 1
+    assert "-- Process 1 terminated" in raised.value.msg
+    assert "rank one fails on purpose" in raised.value.msg
+    assert raised.value.msg.rstrip().endswith("(rank 0 failed after it)")
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="2 processes still running after 5 s"):
         cp.run_on_processes(time.sleep, 2, (120,), timeout_s=5)

@@ -23,6 +23,7 @@ import pickle
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,46 @@ def _rank_main(rank: int, function: Callable[..., Any], args: tuple, world_size:
         result = function(*args)
         with open(Path(directory) / f"rank{rank}.pickle", "wb") as file:
             pickle.dump(result, file)
+    except Exception:
+        # Recorded before this rank leaves the group: a peer that fails *because* this
+        # rank left ("connection closed by peer") records a later time.
+        _record_failure(Path(directory), rank, traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _record_failure(directory: Path, rank: int, trace: str) -> None:
+    """Save when and how ``rank`` failed (written whole, then renamed into place)."""
+    partial = directory / f"rank{rank}.error.partial"
+    with open(partial, "wb") as file:
+        pickle.dump((time.time(), trace), file)
+    os.replace(partial, directory / f"rank{rank}.error")
+
+
+def _first_failure(directory: str, reported: mp.ProcessRaisedException,
+                   pids: Sequence[int]) -> mp.ProcessRaisedException:
+    """The error of the rank that failed first, which the others' errors follow from.
+
+    ``join`` reports the first process it sees *exit*; when one rank raises and leaves
+    the group, its peers fail in turn with "connection closed by peer", and one of them
+    may exit first. The times each rank recorded put the cause first.
+    """
+    failures = []
+    for path in Path(directory).glob("rank*.error"):
+        with open(path, "rb") as file:
+            moment, trace = pickle.load(file)
+        failures.append((moment, int(path.name[4:-6]), trace))
+    if not failures:
+        return reported
+    failures.sort()
+    moment, rank, trace = failures[0]
+    later = [other for _, other, _ in failures[1:]]
+    message = f"\n\n-- Process {rank:d} terminated with the following error:\n{trace}"
+    if later:
+        message += (f"\n(rank{'s' if len(later) > 1 else ''} "
+                    f"{', '.join(map(str, later))} failed after it)")
+    return mp.ProcessRaisedException(message, rank, pids[rank])
 
 
 def run_on_processes(
@@ -99,8 +138,9 @@ def run_on_processes(
         ``[result of rank 0, ..., result of rank p - 1]``.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback is
-            in the message); the other ranks are killed.
+        torch.multiprocessing.ProcessRaisedException: a rank raised; the message holds
+            the traceback of the rank that raised first (peers that failed because it
+            left the group are named after it), and the other ranks are killed.
         TimeoutError: the processes ran past ``timeout_s``.
         RuntimeError: ``"fork"`` from a process that is itself in a process group.
     """
@@ -136,6 +176,9 @@ def run_on_processes(
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} processes still running after "
                                        f"{timeout_s:g} s")
+        except mp.ProcessRaisedException as reported:
+            pids = [process.pid for process in context.processes]
+            raise _first_failure(directory, reported, pids) from None
         finally:
             for process in context.processes:
                 if process.is_alive():
