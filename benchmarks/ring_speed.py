@@ -99,6 +99,7 @@ WORLD_SIZES = (1, 2, 4)
 LAYOUT = "contiguous"
 FULL = {"sizes": [2048, 4096, 8192], "passes": 3, "cp_n": 8192}
 QUICK = {"sizes": [512, 1024], "passes": 2, "cp_n": None}
+PIECE = ea.DEFAULT_BLOCK_SIZE[1]  # keys per message of cp.ring_attention (its default)
 SLOPE_LIMIT = 1.1  # d peak(p) / d (peak(tiled) / p) between the smallest and largest n
 TIMEOUT_S = 3600.0
 MIB = 2**20
@@ -345,13 +346,12 @@ def check_targets(report: dict) -> dict:
                     slope = (ring[last] - ring[first]) / (tiled[last] - tiled[first])
                 label = (f"ring p={p} peak per rank <= tiled / p + constant "
                          f"({kind.replace('_peak', '')}, {workload})")
-                # the excess in blocks of one rank's keys (or values), n / p x h x d floats:
-                # a constant number of them means memory O(n / p) with another coefficient
-                blocks = {n: excess[n] / (int(n) // p * HEADS * HEAD_DIM * 4 / MIB)
-                          for n in sizes}
+                # the excess in pieces of keys (or values) the ring sends, PIECE x h x d
+                # floats: a constant number of them as n grows is the target's constant
+                pieces = {n: excess[n] / (PIECE * HEADS * HEAD_DIM * 4 / MIB) for n in sizes}
                 targets[label] = {"excess_mib": excess, "ratio_to_tiled_over_p": {
                     n: ring[n] / tiled[n] for n in sizes}, "slope": slope,
-                    "excess_in_blocks": blocks,
+                    "excess_in_pieces": pieces,
                     "limit": SLOPE_LIMIT, "met": slope is not None and slope <= SLOPE_LIMIT}
     return targets
 
@@ -378,17 +378,16 @@ def markdown(report: dict) -> str:
                   "excess = peak per rank - peak(tiled) / p (MiB) at each n; slope = d peak(p) "
                   "/ d (peak(tiled) / p) from the smallest to the largest n (1: 1/p plus a "
                   f"constant; met when <= {SLOPE_LIMIT}).", "",
-                  "The excess is also given in blocks (one rank's keys, n / p x h x d "
-                  "float32 numbers): a rank holds, beyond tiled / p, the block it computes on, "
-                  "the block arriving (keys and values: 4 blocks) and a block's partial output "
-                  "(one more), and in the backward the gradients of keys and values travelling "
-                  "with them. A number of blocks that stays constant as n grows means memory "
-                  "O(n / p), with a larger coefficient than tiled / p.", "",
-                  "| quantity | " + " | ".join(f"excess n={n} (blocks)" for n in sizes) +
+                  f"The excess is also given in pieces ({PIECE} keys x h x d float32 numbers, "
+                  "what the ring sends in one message): beyond tiled / p a rank holds the "
+                  "piece of keys and values it computes on and the one arriving, a tile's "
+                  "partial output and scores, and in the backward the pieces' dK, dV "
+                  "accumulators, a number of pieces that does not depend on n.", "",
+                  "| quantity | " + " | ".join(f"excess n={n} (pieces)" for n in sizes) +
                   " | peak / (tiled / p) at largest n | slope | met |",
                   "|---" * (len(sizes) + 4) + "|"]
         for label, entry in report["targets"].items():
-            cells = [f"{entry['excess_mib'][n]:.1f} ({entry['excess_in_blocks'][n]:.1f})"
+            cells = [f"{entry['excess_mib'][n]:.1f} ({entry['excess_in_pieces'][n]:.1f})"
                      for n in sizes]
             slope = "-" if entry["slope"] is None else f"{entry['slope']:.3f}"
             lines.append(f"| {label} | " + " | ".join(cells) +
@@ -517,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "sizes": plan["sizes"], "passes": plan["passes"],
                     "world_sizes": list(WORLD_SIZES),
                     "threads_per_rank": {str(p): threads_per_rank(p) for p in WORLD_SIZES},
-                    "layout": LAYOUT, "causal": False, "cp_n": plan["cp_n"],
+                    "layout": LAYOUT, "causal": False, "cp_n": plan["cp_n"], "piece": PIECE,
                     "slope_limit": SLOPE_LIMIT},
         "time": {}, "ratios": {}, "memory_mib": {}, "bytes_sent": {},
     }

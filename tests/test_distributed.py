@@ -34,6 +34,8 @@ TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer fails
 SPAWN_DEADLINE_S = 180.0  # the whole spawn, imports included, on a loaded 2-core machine
 BATCH, HEADS, N, D, D_V = 2, 4, 32, 8, 8  # p = 4: shards of 8 tokens, zigzag chunks of 4
 WORLD_SIZE = 4
+PIECE = 3  # ring pieces of 3 keys: shards of 8 (p = 4) and 16 (p = 2) split unevenly
+MEMORY_SIZES, MEMORY_PIECE, MEMORY_ROWS, MEMORY_D = (64, 128), 8, 2, 8  # memory probe
 METHODS = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}
 CASES = [(method, layout, causal) for method in METHODS for layout in ("contiguous", "zigzag")
          for causal in (False, True)]
@@ -100,10 +102,11 @@ def _shards(whole, rank, world_size, layout):
     return [cp.shard_sequence(t, rank, world_size, layout) for t in whole]
 
 
-def _forward_backward(method, shards, layout, causal, group, log=None):
+def _forward_backward(method, shards, layout, causal, group, log=None, **options):
     """This rank's output and the gradients of its q, k, v shards."""
     q, k, v = (t.detach().requires_grad_() for t in shards[:3])
-    out = METHODS[method](q, k, v, causal=causal, group=group, layout=layout, log=log)
+    out = METHODS[method](q, k, v, causal=causal, group=group, layout=layout, log=log,
+                          **options)
     out.backward(shards[3])
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -125,6 +128,16 @@ def _measure(group, whole, device):
     for layout in ("contiguous", "zigzag"):
         shards = _shards(whole, rank, world_size, layout)
         for causal in (False, True):
+            log = cp.CommunicationLog()
+            got = _forward_backward("ring", shards, layout, causal, group, log,
+                                    block_size=PIECE)
+            expected = [cp.shard_sequence(t, rank, world_size, layout)
+                        for t in references[causal]]
+            results["pieces", layout, causal] = {
+                "errors": [(a - b).abs().max().item() for a, b in zip(got, expected,
+                                                                      strict=True)],
+                "bytes": (log.forward_bytes, log.backward_bytes),
+                "messages": (log.forward_messages, log.backward_messages)}
             with _MatmulFlops() as counter:  # forward and backward
                 _forward_backward("ring", shards, layout, causal, group)
             results["flops", layout, causal] = counter.flops
@@ -134,12 +147,36 @@ def _measure(group, whole, device):
     with ea.TensorMemoryTracker() as memory:  # exact attention on the whole sequence
         _reference(whole, True)
     results["memory", "exact"] = (memory.largest, memory.peak)
+    results["memory in pieces"] = _memory_in_pieces(group, device)
     try:  # 2 heads cannot be split over 4 ranks; each rank raises before communicating
         cp.ulysses_attention(*(t[:, :2] for t in _shards(whole, rank, world_size,
                                                           "contiguous")[:3]), group=group)
     except ValueError as error:
         results["ulysses heads error"] = str(error)
     return results
+
+
+def _memory_in_pieces(group, device):
+    """Peak bytes of the tensors made by a causal zigzag training step, at each n of
+    MEMORY_SIZES: tiled attention on the whole sequence, and ring attention on this rank's
+    shard in pieces of MEMORY_PIECE keys and (for contrast) in one piece per block."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    peaks = {}
+    for n in MEMORY_SIZES:
+        generator = torch.Generator().manual_seed(n)
+        whole = [torch.randn(1, MEMORY_ROWS, n, MEMORY_D, generator=generator,
+                             dtype=F64).to(device) for _ in range(4)]
+        leaves = [t.clone().requires_grad_() for t in whole[:3]]
+        with ea.TensorMemoryTracker() as memory:
+            ea.tiled_attention(*leaves, causal=True,
+                               block_size=MEMORY_PIECE).backward(whole[3])
+        peaks[n, "tiled"] = memory.peak
+        shards = [cp.shard_sequence(t, rank, world_size, "zigzag").clone() for t in whole]
+        for label, piece in (("pieces", MEMORY_PIECE), ("one piece", n // world_size)):
+            with ea.TensorMemoryTracker() as memory:
+                _forward_backward("ring", shards, "zigzag", True, group, block_size=piece)
+            peaks[n, label] = memory.peak
+    return peaks
 
 
 def _worker(rank, world_size, port, directory, backend):
@@ -291,6 +328,48 @@ def test_ring_memory_per_rank_is_of_shard_size(ranks):
         assert results["memory", "exact"][0] >= BATCH * HEADS * N * N * element
 
 
+def test_ring_in_pieces_is_exact_and_sends_the_same_bytes(ranks):
+    """Pieces of 3 keys (blocks of 8 and 16 keys split unevenly, zigzag chunks of 4 cut
+    across pieces): exact, the bytes of the formula, 2 (p-1) messages per piece forward
+    (keys, values) and, backward, those again plus p hops of each piece's accumulator."""
+    element = torch.finfo(F64).bits // 8
+    for label, p, group in _groups(ranks):
+        m = N // p
+        pieces = -(-m // PIECE)
+        formula = cp.ring_communication_bytes(batch=BATCH * HEADS, keys_per_rank=m, d=D,
+                                              d_v=D_V, world_size=p, dtype=F64)
+        assert formula[0] == (p - 1) * BATCH * HEADS * m * (D + D_V) * element
+        for results in group:
+            for layout in ("contiguous", "zigzag"):
+                for causal in (False, True):
+                    case = results["pieces", layout, causal]
+                    assert max(case["errors"]) < 1e-10, (label, layout, causal, case)
+                    assert case["bytes"] == formula
+                    assert case["messages"] == (2 * (p - 1) * pieces,
+                                                (2 * (p - 1) + p) * pieces)
+
+
+def test_ring_memory_per_rank_is_tiled_over_p_plus_a_constant(ranks):
+    """Per rank, a causal training step in pieces of b keys holds what single-process tiled
+    attention (tiles of b) holds, divided by p, plus a constant: two pieces of keys and
+    values (the one computed on, the one arriving) and a contiguous copy to send, two
+    pieces' dK, dV accumulators and the one arriving, a tile's dK, dV and partial output;
+    about 8 pieces of B h b (d + d_v) numbers, whatever n. Bound: 12 pieces. Sending
+    whole blocks (one piece) holds blocks and a block x block tile of scores instead, and
+    breaks the bound."""
+    element = torch.finfo(F64).bits // 8
+    piece = MEMORY_ROWS * MEMORY_PIECE * 2 * MEMORY_D * element
+    for label, p, group in _groups(ranks):
+        for results in group:
+            peaks = results["memory in pieces"]
+            excess = {n: peaks[n, "pieces"] - peaks[n, "tiled"] / p for n in MEMORY_SIZES}
+            for n in MEMORY_SIZES:
+                assert excess[n] <= 12 * piece, (label, n, excess[n] / piece)
+            small, large = MEMORY_SIZES
+            assert excess[large] <= excess[small] + piece  # a constant, not O(n / p)
+            assert peaks[large, "one piece"] - peaks[large, "tiled"] / p > 12 * piece
+
+
 def test_ulysses_needs_heads_divisible_by_world_size(ranks):
     for results in (rank["world"] for rank in ranks):
         message = results["ulysses heads error"]
@@ -342,6 +421,15 @@ def test_world_size_one_is_exact_attention_without_communication(one_rank, metho
     assert log.forward_messages == log.backward_messages == 0
 
 
+@pytest.mark.parametrize("layout, causal", [("contiguous", False), ("zigzag", True)])
+@pytest.mark.parametrize("block_size", [1, 5, 32, 100])
+def test_world_size_one_in_pieces_is_exact_attention(one_rank, layout, causal, block_size):
+    whole = _whole_sequence()
+    got = _forward_backward("ring", whole, layout, causal, None, block_size=block_size)
+    for a, b in zip(got, _reference(whole, causal), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_half_precision_is_sent_as_is_and_computed_in_float32(one_rank):
     q, k, v = (t.to(torch.bfloat16) for t in _whole_sequence()[:3])
     out = cp.ring_attention(q, k, v, causal=True, layout="zigzag")
@@ -385,6 +473,10 @@ def test_bad_arguments_are_named(one_rank):
             function(q, k, v, causal=1)
     with pytest.raises(ValueError, match="q, k and v must have a heads dimension"):
         cp.ulysses_attention(q[0, 0], k[0, 0], v[0, 0])
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        cp.ring_attention(q, k, v, block_size=0)
+    with pytest.raises(TypeError, match="block_size must be a positive int, got float"):
+        cp.ring_attention(q, k, v, block_size=2.0)
 
 
 def test_shards_round_trip_and_reject_sizes_that_do_not_split():

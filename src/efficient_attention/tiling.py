@@ -202,24 +202,27 @@ def _running_max_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k):
     return out, torch.where(seen, top + torch.log2(total), float("-inf"))
 
 
-def _forward(q, k, v, mask, causal, block_q, block_k):
+def _forward(q, k, v, mask, causal, block_q, block_k, q_offset=0):
     """Tiled online-softmax forward on ``(B, n, d)``: returns ``out (B, n_q, d_v)`` and
-    ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``."""
+    ``lse (B, n_q)``. ``q`` is already multiplied by ``1/sqrt(d)``. Causal: query row ``i``
+    stands at key position ``i + q_offset`` and sees keys ``j <= i + q_offset`` (ring
+    attention passes a piece of a diagonal block with its offset)."""
     batch, n_q, _ = q.shape
     out = q.new_empty(batch, n_q, v.shape[2])
     lse = q.new_empty(batch, n_q)
     for q_start in range(0, n_q, block_q):
         q_stop = min(q_start + block_q, n_q)
         q_tile = q[:, q_start:q_stop] * _LOG2E  # base-2 scores: 2^(s log2 e) = e^s
-        tile = _fixed_shift_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k)
+        first, last = q_start + q_offset, q_stop + q_offset  # positions among the keys
+        tile = _fixed_shift_tile(q_tile, k, v, mask, causal, first, last, block_k)
         if tile is None:
-            tile = _running_max_tile(q_tile, k, v, mask, causal, q_start, q_stop, block_k)
+            tile = _running_max_tile(q_tile, k, v, mask, causal, first, last, block_k)
         out[:, q_start:q_stop] = tile[0]
         torch.mul(tile[1], _LN2, out=lse[:, q_start:q_stop])  # back to base e
     return out, lse
 
 
-def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
+def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta, q_offset=0):
     """Backward by recomputation. ``delta = rowsum(dO * O) - dlse``.
 
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ = dS K``,
@@ -228,7 +231,8 @@ def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
     FlashAttention-2's formulas, not its loop order: query tiles outside, key tiles inside;
     ``dQ`` of a query tile is summed over its key tiles, ``dK`` and ``dV`` are accumulated
     across the query tiles (FlashAttention-2 puts the key tiles outside; see the module
-    docstring).
+    docstring). ``q_offset``: the query rows' positions among the keys, as in
+    :func:`_forward`.
     """
     n_q, n_k = q.shape[1], k.shape[1]
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -241,8 +245,9 @@ def _backward(q, k, v, mask, causal, block_q, block_k, lse, grad_out, delta):
         q_base2 = q_tile * _LOG2E
         row_shift = shift[:, q_start:q_stop].unsqueeze(-1)
         row_delta = delta[:, q_start:q_stop].unsqueeze(-1)
-        for k_start, k_stop in _key_tiles(causal, q_stop, n_k, block_k):
-            probs = _tile_scores(q_base2, k, mask, causal, q_start, q_stop, k_start, k_stop,
+        first, last = q_start + q_offset, q_stop + q_offset  # positions among the keys
+        for k_start, k_stop in _key_tiles(causal, last, n_k, block_k):
+            probs = _tile_scores(q_base2, k, mask, causal, first, last, k_start, k_stop,
                                  row_shift).exp2_()  # P, recomputed
             _accumulate(grad_v[:, k_start:k_stop], probs.transpose(-2, -1), d_out)
             grad_scores = d_out @ v[:, k_start:k_stop].transpose(-2, -1)  # dP

@@ -12,15 +12,23 @@ output and row log-sum-exp, and merges that into its running result with
     \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\, \mathrm{out}_a
                  + e^{\mathrm{lse}_b - \mathrm{lse}}\, \mathrm{out}_b .
 
-After ``p`` steps every query has seen every key: the result is exact, and no rank ever
-holds more than two blocks (the current one and the one arriving). The send of the
+After ``p`` steps every query has seen every key: the result is exact. The send of the
 current block to rank ``r + 1`` (and the receive of the next from ``r - 1``) is posted
 *before* the rank computes on it, so that communication overlaps computation.
 
+The blocks travel in **pieces** of ``block_size`` tokens (512 by default): piece ``i`` of
+every block goes round the whole ring before piece ``i + 1`` sets out, and each tile of
+``block_size`` queries merges its result over the piece into the output in place. A rank
+then holds, besides its own shard, scaled queries, output and ``lse``, two pieces (the
+one it computes on and the one arriving) and one tile's partial output: a constant, not
+a block, so that its memory is that of single-process tiled attention divided by ``p``,
+plus a constant. The bytes sent are the same; the messages ``m / block_size`` times as
+many (each block of ``m`` tokens splits into that many pieces).
+
 Backward (FlashAttention-2's formulas, with the final ``lse`` and
-``D_i = \sum_c dO_{ic} O_{ic}``): the blocks travel round again; for each one the rank
-adds ``dQ`` locally and its contributions to that block's ``dK, dV`` to an accumulator
-that travels with the block, one more hop at the end to come home.
+``D_i = \sum_c dO_{ic} O_{ic}``): the pieces travel round again; for each one the rank
+adds ``dQ`` locally and its contributions to that piece's ``dK, dV`` to an accumulator
+that travels with the piece, one more hop at the end to come home.
 
 Causal masks. **Contiguous** layout: rank ``r`` skips the blocks of ranks ``s > r`` (all
 in its future), uses the causal mask on its own block and attends fully to ``s < r``:
@@ -48,6 +56,7 @@ from .._checks import (
     check_causal_lengths,
     check_layout,
     check_optional_instance,
+    check_positive_int,
     check_process_group,
     check_qkv,
     check_shard_length,
@@ -82,7 +91,7 @@ def block_task(rank: int, source: int, *, causal: bool, layout: str, n_q: int,
 
 def _merge_in_place(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                     block_lse: torch.Tensor) -> None:
-    """``out, lse`` (views of the running result) <- their merge with a block's partial
+    """``out, lse`` (views of the running result) <- their merge with a tile's partial
     result (``merge_softmax_partials``' formula), in place: no output-sized temporary
     (``block_out`` is overwritten). A side with ``lse = -inf`` gets weight 0."""
     merged = torch.logaddexp(lse, block_lse)
@@ -92,93 +101,140 @@ def _merge_in_place(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tenso
     lse.copy_(merged)
 
 
-def _ring_forward(q, k, v, causal, layout, ring):
+def _pieces(length: int, size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the pieces of ``size`` keys (the last may be shorter)."""
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def _piece_tiles(task, start: int, stop: int, n_q: int, n_k: int, tile: int) -> list:
+    """The work on keys ``[start, stop)`` of a block: per tile of at most ``tile`` query
+    rows, ``(query rows, the piece's key columns, causal, q_offset)``, where a causal
+    tile's row ``u`` sees the piece's column ``t <= u + q_offset``; empty when no query
+    of ``task`` (:func:`block_task`) sees a key of the piece."""
+    rows, keys, diagonal = task
+    row_start, row_stop, _ = rows.indices(n_q)
+    key_start, key_stop, _ = keys.indices(n_k)
+    key_start, key_stop = max(key_start, start), min(key_stop, stop)
+    if key_start >= key_stop:
+        return []
+    if diagonal:  # query i sees key j <= i: the queries before the piece see none of it
+        row_start = max(row_start, key_start)
+    columns = slice(key_start - start, key_stop - start)
+    return [(slice(first, min(first + tile, row_stop)), columns, diagonal, first - key_start)
+            for first in range(row_start, row_stop, tile)]
+
+
+def _ring_forward(q, k, v, causal, layout, ring, block):
     """``q (B, m_q, d)`` (scaled, compute dtype), ``k (B, m_k, d)``, ``v (B, m_k, d_v)`` ->
-    ``out (B, m_q, d_v)`` and ``lse (B, m_q)``. The rank's own keys and values are sent
-    as they are (two messages a step, no concatenated copy); at any time the rank holds
-    the block it computes on and the one arriving, besides its own inputs and output."""
-    dtype, n_q, n_k = q.dtype, q.shape[1], k.shape[1]
-    out = lse = None
-    current = [k, v]
-    for step in range(ring.size):
-        # Pass the current block on before computing on it: the transfer overlaps.
-        last = step == ring.size - 1
-        pending = None if last else ring.start_exchange(current, "forward")
-        task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
-                          n_q=n_q, n_k=n_k)
-        if task is not None:
-            rows, keys, diagonal = task
-            block_keys, block_values = (x[:, keys].to(dtype) for x in current)
-            block_out, block_lse = tile_forward(q[:, rows], block_keys, block_values, None,
-                                                diagonal, *DEFAULT_BLOCK_SIZE)
-            if out is None:  # step 0: the rank's own block, every query
-                out, lse = block_out, block_lse
-            else:
-                _merge_in_place(out[:, rows], lse[:, rows], block_out, block_lse)
-            del block_out, block_lse, block_keys, block_values
-        if pending is not None:
-            current = pending.wait()
+    ``out (B, m_q, d_v)`` and ``lse (B, m_q)``.
+
+    The keys and values travel in pieces of ``block`` tokens, piece by piece: piece ``i``
+    of every rank's block goes round the whole ring before piece ``i + 1`` sets out, so a
+    rank holds two pieces at a time (the one it computes on and the one arriving),
+    whatever ``n``. Each tile of ``block`` queries attends to the piece and is merged
+    into the output in place: besides its inputs, scaled queries, output and ``lse``, a
+    rank holds a constant number of ``block``-sized buffers."""
+    dtype, (batch, n_q, _), n_k = q.dtype, q.shape, k.shape[1]
+    out = q.new_zeros(batch, n_q, v.shape[-1])
+    lse = q.new_full((batch, n_q), float("-inf"))
+    for start, stop in _pieces(n_k, block):
+        current = [k[:, start:stop], v[:, start:stop]]
+        for step in range(ring.size):
+            # Pass the piece on before computing on it: the transfer overlaps.
+            last = step == ring.size - 1
+            pending = None if last else ring.start_exchange(current, "forward")
+            task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
+                              n_q=n_q, n_k=n_k)
+            if task is not None:
+                piece_k, piece_v = (x.to(dtype) for x in current)
+                for rows, columns, diagonal, offset in _piece_tiles(task, start, stop, n_q,
+                                                                    n_k, block):
+                    part_out, part_lse = tile_forward(q[:, rows], piece_k[:, columns],
+                                                      piece_v[:, columns], None, diagonal,
+                                                      block, block, offset)
+                    _merge_in_place(out[:, rows], lse[:, rows], part_out, part_lse)
+                del piece_k, piece_v
+            if pending is not None:
+                current = pending.wait()
     return out, lse
 
 
-def _ring_backward(q, kv, out, lse, grad_out, key_dim, causal, layout, ring):
-    """Gradients ``dq (B, m_q, d)`` and ``d[k, v] (B, m_k, d + d_v)`` (compute dtype)."""
-    dtype, n_q, n_k = q.dtype, q.shape[1], kv.shape[1]
+def _ring_backward(q, k, v, out, lse, grad_out, causal, layout, ring, block):
+    """Gradients ``dq (B, m_q, d)``, ``dk (B, m_k, d)``, ``dv (B, m_k, d_v)`` (compute
+    dtype). The pieces go round again in the forward's order, each with the accumulator
+    of its ``dK, dV`` (``(B, piece, d + d_v)``), which one more hop brings home."""
+    dtype, (batch, n_q, _), n_k, key_dim = q.dtype, q.shape, k.shape[1], k.shape[-1]
     grad_out = grad_out.to(dtype)
     delta = (grad_out * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (B, m_q)
     grad_q = torch.zeros_like(q)
-    current, finished = kv, None  # finished: dK, dV of the block held at the last step
-    for step in range(ring.size):
-        # Post: this block on to the next rank, and the accumulator of the previous
-        # block (complete up to this rank); receive the next block and its accumulator.
-        sends = ([] if step == ring.size - 1 else [current]) + ([] if step == 0 else [finished])
-        pending = ring.start_exchange(sends, "backward") if sends else None
-        grad_block = kv.new_zeros(kv.shape, dtype=dtype)  # this rank's share, (B, m_k, d + d_v)
-        task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
-                          n_q=n_q, n_k=n_k)
-        if task is not None:
-            rows, keys, diagonal = task
-            block = current[:, keys].to(dtype)
-            grads = tile_backward(q[:, rows], block[..., :key_dim], block[..., key_dim:], None,
-                                  diagonal, *DEFAULT_BLOCK_SIZE, lse[:, rows],
-                                  grad_out[:, rows], delta[:, rows])
-            grad_q[:, rows] += grads[0]
-            grad_block[:, keys, :key_dim] += grads[1]
-            grad_block[:, keys, key_dim:] += grads[2]
-            del grads
-        if pending is not None:
-            received = pending.wait()
-            if step < ring.size - 1:
-                current = received.pop(0)
-            if step > 0:
-                grad_block += received.pop(0)  # the shares of the ranks before this one
-        finished = grad_block
-    if ring.size > 1:  # the last accumulator goes home: rank r holds block r + 1's
-        (finished,) = ring.start_exchange([finished], "backward").wait()
-    return grad_q, finished
+    grad_k = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    grad_v = torch.zeros(v.shape, dtype=dtype, device=v.device)
+
+    def deliver(piece, accumulated):  # the complete dK, dV of one of this rank's pieces
+        grad_k[:, piece[0]:piece[1]] = accumulated[..., :key_dim]
+        grad_v[:, piece[0]:piece[1]] = accumulated[..., key_dim:]
+
+    finished, previous = None, None  # the accumulator to pass on, and its piece
+    for start, stop in _pieces(n_k, block):
+        current = [k[:, start:stop], v[:, start:stop]]
+        for step in range(ring.size):
+            # Post: this piece on to the next rank, and the accumulator of the piece held
+            # at the previous step (complete up to this rank; at step 0 the previous
+            # piece's, complete, going home); receive their counterparts.
+            last = step == ring.size - 1
+            sends = ([] if last else current) + ([] if finished is None else [finished])
+            pending = ring.start_exchange(sends, "backward") if sends else None
+            grad_piece = q.new_zeros(batch, stop - start, key_dim + v.shape[-1])
+            task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
+                              n_q=n_q, n_k=n_k)
+            if task is not None:
+                piece_k, piece_v = (x.to(dtype) for x in current)
+                for rows, columns, diagonal, offset in _piece_tiles(task, start, stop, n_q,
+                                                                    n_k, block):
+                    grads = tile_backward(q[:, rows], piece_k[:, columns], piece_v[:, columns],
+                                          None, diagonal, block, block, lse[:, rows],
+                                          grad_out[:, rows], delta[:, rows], offset)
+                    grad_q[:, rows] += grads[0]
+                    grad_piece[:, columns, :key_dim] += grads[1]
+                    grad_piece[:, columns, key_dim:] += grads[2]
+                    del grads
+                del piece_k, piece_v
+            if pending is not None:
+                received = pending.wait()
+                if not last:
+                    current = received[:2]
+                if finished is not None and step == 0:
+                    deliver(previous, received[-1])  # our previous piece, every rank's share
+                elif finished is not None:
+                    grad_piece += received[-1]  # the shares of the ranks before this one
+            finished, previous = grad_piece, (start, stop)
+            if ring.size == 1:  # no ring: this rank's share is the whole gradient
+                deliver(previous, finished)
+                finished = None
+    if finished is not None:  # the last accumulator goes home
+        (accumulated,) = ring.start_exchange([finished], "backward").wait()
+        deliver(previous, accumulated)
+    return grad_q, grad_k, grad_v
 
 
 class _RingAttention(torch.autograd.Function):
     """Forward saves this rank's ``q``, ``k``, ``v``, output and ``lse``, nothing of other
-    ranks: their blocks travel round again in the backward."""
+    ranks: their pieces travel round again in the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, layout, ring):
-        out, lse = _ring_forward(q, k, v, causal, layout, ring)
+    def forward(ctx, q, k, v, causal, layout, ring, block):
+        out, lse = _ring_forward(q, k, v, causal, layout, ring, block)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.layout, ctx.ring, ctx.key_dim = causal, layout, ring, k.shape[-1]
+        ctx.causal, ctx.layout, ctx.ring, ctx.block = causal, layout, ring, block
         return out
 
     @staticmethod
     @once_differentiable  # a second derivative raises instead of being silently wrong
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        kv = torch.cat([k, v], dim=-1)  # (B, m_k, d + d_v): one message per step
-        del k, v
-        grad_q, grad_kv = _ring_backward(q, kv, out, lse, grad_out, ctx.key_dim, ctx.causal,
-                                         ctx.layout, ctx.ring)
-        grad_kv = grad_kv.to(kv.dtype)
-        return grad_q, grad_kv[..., :ctx.key_dim], grad_kv[..., ctx.key_dim:], None, None, None
+        grad_q, grad_k, grad_v = _ring_backward(q, k, v, out, lse, grad_out, ctx.causal,
+                                                ctx.layout, ctx.ring, ctx.block)
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -190,6 +246,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     log: CommunicationLog | None = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     r"""This rank's shard of exact ``softmax(q k^T / sqrt(d)) v`` over a sequence split across
     the ranks of ``group`` (ring attention).
@@ -216,6 +273,9 @@ def ring_attention(
             were cut; see :mod:`~efficient_attention.distributed.layouts`.
         log: a :class:`~efficient_attention.distributed.CommunicationLog` to which the
             bytes this rank sends are added, forward and backward.
+        block_size: the keys of a block sent in one message, and the queries computed
+            on them at once (default ``ea.DEFAULT_BLOCK_SIZE[1]``, 512): the rank's
+            memory beyond its shard is a constant number of pieces of this size.
 
     Returns:
         This rank's shard of the output ``(..., n_q / p, d_v)``, in the dtype of ``q``;
@@ -227,10 +287,12 @@ def ring_attention(
     Cost per rank, ``m = n / p``, ``B`` batch elements: time ``O(B m n (d + d_v))``
     forward (``p`` blocks; causal: ``r + 1/2`` blocks on rank ``r`` contiguous,
     ``p / 2`` blocks every rank zigzag) and about 2.5 times that backward; memory
-    ``O(B m (d + d_v))`` plus one tile of scores, never ``n``-sized: in the forward, besides
-    its inputs, a rank holds its scaled queries, its output, one block's partial output
-    (merged into the output in place) and two blocks of keys and values, the one it
-    computes on and the one arriving (about ``7 B m d`` numbers for ``d_v = d``). Communication
+    ``O(B m (d + d_v))``, never ``n``-sized: in the forward, besides its inputs, a rank
+    holds its scaled queries, its output and ``lse`` (``2 B m d + B m`` numbers for
+    ``d_v = d``, what single-process tiled attention holds divided by ``p``) and a constant:
+    two pieces of keys and values (the one it computes on and the one arriving), one
+    tile's partial output and one tile of scores, each of ``block_size`` tokens; the
+    backward likewise, with two pieces' ``dK, dV`` accumulators. Communication
     (:func:`~efficient_attention.distributed.ring_communication_bytes`): forward
     ``(p - 1) B m (d + d_v) s`` bytes (``s`` the element size; ``2 (p - 1) (n/p) d B s``
     for ``d_v = d``), backward that again plus ``p B m (d + d_v) s_acc`` for the
@@ -251,6 +313,8 @@ def ring_attention(
         check_causal_lengths(n_q, n_k)
     dtype = compute_dtype(q, k, v)
     batch, (q_flat, k_flat, v_flat, _) = flatten_batch(q, k, v, None)  # (B, m, x)
+    block = DEFAULT_BLOCK_SIZE[1] if block_size is None else check_positive_int(
+        block_size, "block_size")
     out = _RingAttention.apply(q_flat.to(dtype) * d**-0.5, k_flat, v_flat, causal, layout,
-                               Ring(group, log))
+                               Ring(group, log), block)
     return out.reshape(*batch, n_q, d_v).to(q.dtype)
