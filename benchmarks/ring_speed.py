@@ -33,7 +33,10 @@ the ratio of the two samples of one pass), which keeps the machine's drift out o
 Memory per rank (first pass, after the timed calls): ``inputs`` (the rank's q, k, v, and the
 output gradient in ``train``), ``rss_extra`` (peak resident memory during one call minus the
 resident memory before it, after ``malloc_trim`` and a reset of the kernel's peak mark: the
-probe of ``attention_speed.py``; it includes gloo's buffers) and ``tensor_extra``
+probe of ``attention_speed.py``; it includes gloo's buffers; glibc's mmap threshold is held
+at 128 KiB while memory is measured, see ``map_large_blocks``: with its default, freed blocks
+stayed in the heap and moved the excess by 20-40 MiB from one n to the next; the smallest of
+``RSS_REPEATS`` calls, as a single call now and then peaked 10-20 MiB higher) and ``tensor_extra``
 (``ea.TensorMemoryTracker``: the tensors made during one call). ``peak`` = inputs + extra.
 Bytes sent per rank: ``cp.CommunicationLog`` of one call, with the closed form
 ``cp.ring_communication_bytes`` beside it.
@@ -65,6 +68,7 @@ or ``train``)::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import sys
 import time
@@ -100,6 +104,9 @@ LAYOUT = "contiguous"
 FULL = {"sizes": [2048, 4096, 8192], "passes": 3, "cp_n": 8192}
 QUICK = {"sizes": [512, 1024], "passes": 2, "cp_n": None}
 PIECE = ea.DEFAULT_BLOCK_SIZE[1]  # keys per message of cp.ring_attention (its default)
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, held fixed while memory is measured
+RSS_REPEATS = 3  # the RSS probe's noise only adds (a call's first touch, gloo): the minimum
 SLOPE_LIMIT = 1.1  # d peak(p) / d (peak(tiled) / p) between the smallest and largest n
 TIMEOUT_S = 3600.0
 MIB = 2**20
@@ -117,6 +124,17 @@ def whole_sequence(n: int) -> list[torch.Tensor]:
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
+    """glibc only: serve every allocation of ``threshold`` bytes or more by its own mapping,
+    unmapped when freed (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from raising
+    the threshold to the largest block freed so far). Resident memory then follows the live
+    buffers instead of what the heap keeps of freed ones. Returns whether it applied."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def measure_rss(call) -> int:
@@ -159,17 +177,20 @@ def rank_main(n: int, with_tiled: bool, measure: bool) -> dict:
     if not measure:
         return result
     memory, sent = {}, {}
-    for config, method in configs.items():
+    result["large_blocks_mapped"] = map_large_blocks()  # after the timings, which keep glibc's
+    for config, method in configs.items():                # default
         for workload in WORKLOADS:
             held = [xs[config][name] for name in ("q", "k", "v")]
             if workload == "train":
                 held.append(xs[config]["grad_out"])
             log = cp.CommunicationLog()  # the bytes of the first of these two calls
-            rss = measure_rss(functools.partial(run_once, workload,
-                                                functools.partial(method, log=log), xs[config]))
+            rss = [measure_rss(functools.partial(run_once, workload,
+                                                 functools.partial(method, log=log), xs[config]))]
+            rss += [measure_rss(functools.partial(run_once, workload, method, xs[config]))
+                    for _ in range(RSS_REPEATS - 1)]
             tensors = measure_tensors(functools.partial(run_once, workload, method, xs[config]))
-            memory[config, workload] = {"inputs": tensor_bytes(*held), "rss_extra": rss,
-                                        "tensor_extra": tensors}
+            memory[config, workload] = {"inputs": tensor_bytes(*held), "rss_extra": min(rss),
+                                        "rss_extra_samples": rss, "tensor_extra": tensors}
             sent[config, workload] = log.total_bytes
     result["memory"], result["bytes"] = memory, sent
     return result
@@ -371,7 +392,11 @@ def markdown(report: dict) -> str:
               f"{setting['layout']} shards; threads per rank: "
               + ", ".join(f"p = {p}: {t}" for p, t in setting["threads_per_rank"].items())
               + f" (the machine has {CORES} cores). {setting['passes']} passes; a sample of a "
-              f"multi-process run is its slowest rank. torch {cond['torch']}.", ""]
+              f"multi-process run is its slowest rank. torch {cond['torch']}. Memory per rank "
+              "is measured after the timings, with glibc's mmap threshold held at "
+              f"{setting.get('rss_mmap_threshold', 0) // 1024} KiB (`map_large_blocks`), so "
+              "that the resident set follows the live buffers. Each rank sends its block in "
+              f"pieces of {setting.get('piece', '?')} keys.", ""]
     if report["targets"]:
         lines += ["## Target: peak memory per rank at most 1/p of single-process tiled plus a "
                   "constant", "",
@@ -517,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "world_sizes": list(WORLD_SIZES),
                     "threads_per_rank": {str(p): threads_per_rank(p) for p in WORLD_SIZES},
                     "layout": LAYOUT, "causal": False, "cp_n": plan["cp_n"], "piece": PIECE,
+                    "rss_mmap_threshold": MMAP_THRESHOLD,
                     "slope_limit": SLOPE_LIMIT},
         "time": {}, "ratios": {}, "memory_mib": {}, "bytes_sent": {},
     }
