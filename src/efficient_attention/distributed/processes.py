@@ -74,7 +74,7 @@ def _record_failure(directory: Path, rank: int, trace: str) -> None:
     """Save when and how ``rank`` failed (written whole, then renamed into place)."""
     partial = directory / f"rank{rank}.error.partial"
     with open(partial, "wb") as file:
-        pickle.dump((time.time(), trace), file)
+        pickle.dump((time.time(), rank, trace), file)
     os.replace(partial, directory / f"rank{rank}.error")
 
 
@@ -89,8 +89,7 @@ def _first_failure(directory: str, reported: mp.ProcessRaisedException,
     failures = []
     for path in Path(directory).glob("rank*.error"):
         with open(path, "rb") as file:
-            moment, trace = pickle.load(file)
-        failures.append((moment, int(path.name[4:-6]), trace))
+            failures.append(pickle.load(file))  # (time, rank, traceback)
     if not failures:
         return reported
     failures.sort()

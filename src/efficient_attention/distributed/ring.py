@@ -124,6 +124,20 @@ def _piece_tiles(task, start: int, stop: int, n_q: int, n_k: int, tile: int) -> 
             for first in range(row_start, row_stop, tile)]
 
 
+def _step_tiles(ring, step, current, piece, n_q, n_k, causal, layout, dtype, block):
+    """The tiles this rank computes at ``step`` on the piece ``current`` (keys, values) of
+    keys ``piece = (start, stop)``: ``(query rows, key columns of the piece, keys, values,
+    causal, q_offset)`` each, keys and values in the compute ``dtype``; none when no query
+    of this rank sees that block (:func:`block_task`)."""
+    task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout, n_q=n_q,
+                      n_k=n_k)
+    if task is None:
+        return
+    piece_k, piece_v = (x.to(dtype) for x in current)
+    for rows, columns, diagonal, offset in _piece_tiles(task, *piece, n_q, n_k, block):
+        yield rows, columns, piece_k[:, columns], piece_v[:, columns], diagonal, offset
+
+
 def _ring_forward(q, k, v, causal, layout, ring, block):
     """``q (B, m_q, d)`` (scaled, compute dtype), ``k (B, m_k, d)``, ``v (B, m_k, d_v)`` ->
     ``out (B, m_q, d_v)`` and ``lse (B, m_q)``.
@@ -143,17 +157,12 @@ def _ring_forward(q, k, v, causal, layout, ring, block):
             # Pass the piece on before computing on it: the transfer overlaps.
             last = step == ring.size - 1
             pending = None if last else ring.start_exchange(current, "forward")
-            task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
-                              n_q=n_q, n_k=n_k)
-            if task is not None:
-                piece_k, piece_v = (x.to(dtype) for x in current)
-                for rows, columns, diagonal, offset in _piece_tiles(task, start, stop, n_q,
-                                                                    n_k, block):
-                    part_out, part_lse = tile_forward(q[:, rows], piece_k[:, columns],
-                                                      piece_v[:, columns], None, diagonal,
-                                                      block, block, offset)
-                    _merge_in_place(out[:, rows], lse[:, rows], part_out, part_lse)
-                del piece_k, piece_v
+            for rows, _, keys, values, diagonal, offset in _step_tiles(
+                    ring, step, current, (start, stop), n_q, n_k, causal, layout, dtype,
+                    block):
+                part_out, part_lse = tile_forward(q[:, rows], keys, values, None, diagonal,
+                                                  block, block, offset)
+                _merge_in_place(out[:, rows], lse[:, rows], part_out, part_lse)
             if pending is not None:
                 current = pending.wait()
     return out, lse
@@ -185,20 +194,15 @@ def _ring_backward(q, k, v, out, lse, grad_out, causal, layout, ring, block):
             sends = ([] if last else current) + ([] if finished is None else [finished])
             pending = ring.start_exchange(sends, "backward") if sends else None
             grad_piece = q.new_zeros(batch, stop - start, key_dim + v.shape[-1])
-            task = block_task(ring.rank, ring.source(step), causal=causal, layout=layout,
-                              n_q=n_q, n_k=n_k)
-            if task is not None:
-                piece_k, piece_v = (x.to(dtype) for x in current)
-                for rows, columns, diagonal, offset in _piece_tiles(task, start, stop, n_q,
-                                                                    n_k, block):
-                    grads = tile_backward(q[:, rows], piece_k[:, columns], piece_v[:, columns],
-                                          None, diagonal, block, block, lse[:, rows],
-                                          grad_out[:, rows], delta[:, rows], offset)
-                    grad_q[:, rows] += grads[0]
-                    grad_piece[:, columns, :key_dim] += grads[1]
-                    grad_piece[:, columns, key_dim:] += grads[2]
-                    del grads
-                del piece_k, piece_v
+            for rows, columns, keys, values, diagonal, offset in _step_tiles(
+                    ring, step, current, (start, stop), n_q, n_k, causal, layout, dtype,
+                    block):
+                grads = tile_backward(q[:, rows], keys, values, None, diagonal, block, block,
+                                      lse[:, rows], grad_out[:, rows], delta[:, rows], offset)
+                grad_q[:, rows] += grads[0]
+                grad_piece[:, columns, :key_dim] += grads[1]
+                grad_piece[:, columns, key_dim:] += grads[2]
+                del grads
             if pending is not None:
                 received = pending.wait()
                 if not last:
