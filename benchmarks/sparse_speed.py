@@ -660,6 +660,12 @@ def plot(report: dict):
 
 # --- main -------------------------------------------------------------------------------------
 
+def joined_by_other_work(load_average_end: list[float] | None, threads: int) -> bool:
+    """Whether other work ran beside the run at its end: the 1- or 5-minute load average then
+    exceeds the run's own ``threads`` (which it counts too) by more than one core."""
+    return max((load_average_end or [0.0, 0.0])[:2]) - threads > 1.0
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_arguments(parser)
@@ -752,8 +758,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     report["targets"] = check_targets(report)
     report["conditions"].update(run_conditions(end=True))
     # a run that other work joined is as preliminary as one that began beside it
-    end_load = report["conditions"].get("load_average_end") or [0, 0, 0]
-    report["preliminary"] = bool(report["preliminary"] or max(end_load[:2]) > 1.0)
+    report["preliminary"] = bool(report["preliminary"] or joined_by_other_work(
+        report["conditions"].get("load_average_end"), report["setting"]["threads"]))
     report["wall_s"] = time.perf_counter() - began
     for label, entry in report["targets"].items():
         flex = entry["flex_attention"]

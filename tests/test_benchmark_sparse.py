@@ -222,3 +222,13 @@ def test_committed_reformer_run_supports_the_readme():
             times = run["time"][n][workload]
             assert times["LSH (reformer-pytorch)"]["median_ms"] > times["SDPA"]["median_ms"]
             assert times["LSH (ours)"]["median_ms"] > times["SDPA"]["median_ms"]
+
+
+def test_the_end_load_counts_only_work_beside_the_run(sparse_speed):
+    """A run of two threads that ends alone shows a load of about 2: not preliminary; one
+    that other work joined shows more."""
+    assert not sparse_speed.joined_by_other_work([1.94, 1.96, 2.3], threads=2)
+    assert not sparse_speed.joined_by_other_work(None, threads=2)
+    assert sparse_speed.joined_by_other_work([3.5, 2.2, 2.0], threads=2)
+    assert sparse_speed.joined_by_other_work([2.1, 3.2, 2.0], threads=2)
+    assert sparse_speed.joined_by_other_work([2.5, 1.0, 1.0], threads=1)
