@@ -4,12 +4,14 @@ The same causal ``ea.TinyTransformer`` is trained with four attentions of the li
 ``linear`` (elu features, normalised prefix sums), ``gated`` (gated linear attention, one
 learned decay per token), ``delta`` (DeltaNet: the delta rule on L2-normalised keys) and
 ``softmax`` (exact), on ``ea.AssociativeRecall``: ``P`` facts of one token each, a
-(key, value) pair with distinct keys, then a query key whose value must be output. Two
+(key, value) pair with distinct keys, then a query key whose value must be output. Three
 variants of the delta rule are trained beside them (``VARIANTS``): ``gated delta`` (Gated
-DeltaNet, the library's ``DeltaRuleAttention(gated=True)``) and ``delta, short conv`` (DeltaNet
-with a causal depthwise convolution of width 4 and a SiLU on the queries, keys and values of
-every head, the "short convolutions" of DeltaNet, Gated DeltaNet and Mamba; defined here, the
-library has none), one small ablation of what these models add around the recurrence.
+DeltaNet, the library's ``DeltaRuleAttention(gated=True)``), ``gated delta, output gate``
+(Gated DeltaNet with its output normalisation and gate, ``OutputGate``) and ``delta, short
+conv`` (DeltaNet with a causal depthwise convolution of width 4 and a SiLU on the queries, keys
+and values of every head, the "short convolutions" of DeltaNet, Gated DeltaNet and Mamba): two
+small ablations of what these models add around the recurrence, defined here (the library has
+neither).
 
 Every model is trained with the same seeds, batches, learning rate and number of steps,
 once per seed (the seed sets both the initial weights and the training batches), and
@@ -44,6 +46,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from _timing import (  # benchmarks/ is on sys.path
     fastest,
@@ -71,14 +74,18 @@ import efficient_attention as ea  # noqa: E402
 
 NAME = "train_recurrent"
 KINDS = ("linear", "gated", "delta", "softmax")  # the library's kinds, with default options
-# Models beyond the four kinds: name -> the kind, its options, and a short convolution or not
+# Models beyond the four kinds: name -> the kind, its options, a short convolution or not, and
+# (output_gate) the output normalisation and gate or not
 VARIANTS = {
     "gated delta": {"attention": "delta", "attention_options": {"gated": True},
                     "short_convolution": False},
     "delta, short conv": {"attention": "delta", "attention_options": {},
                           "short_convolution": True},
+    "gated delta, output gate": {"attention": "delta", "attention_options": {"gated": True},
+                                 "short_convolution": False, "output_gate": True},
 }
-MODELS = ("linear", "gated", "delta", "gated delta", "delta, short conv", "softmax")
+MODELS = ("linear", "gated", "delta", "gated delta", "gated delta, output gate",
+          "delta, short conv", "softmax")
 CONV_WIDTH = 4  # tokens seen by the short convolution (the width of DeltaNet's and Mamba's)
 # The capacity experiment: one head, linear read-out, every fact of the sequence asked for
 CAPACITY = {"facts": 32, "num_values": 8, "widths": [4, 8, 16, 24, 32], "steps": 400,
@@ -135,6 +142,40 @@ class ShortConvolution(torch.nn.Module):
         return self.inner(q, k, v, causal=True, key_padding_mask=key_padding_mask)
 
 
+class NormalisedHeads(torch.nn.Module):
+    """The attention ``inner`` followed by RMSNorm over each head's ``d_head`` channels (one
+    learned scale per channel, shared by the heads): inputs and output ``(B, h, n, d)``."""
+
+    def __init__(self, inner, dim_head: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.norm = torch.nn.RMSNorm(dim_head, eps=1e-6)
+
+    def forward(self, q, k, v, **kwargs):
+        return self.norm(self.inner(q, k, v, **kwargs))
+
+
+class OutputGate(torch.nn.Module):
+    """The output normalisation and gate of Gated DeltaNet around the multi-head attention
+    ``heads``: every head's output is normalised, then multiplied by a gate computed from the
+    token, before the output projection: ``o_t <- RMSNorm(o_t) * silu(W_g x_t)``
+    (``NormalisedHeads``; ``W_g``: ``d_model x d_model``, no bias), then ``W_O``. Cost:
+    ``O(n d_model^2)`` more per layer (the gate's projection). ``forward(x, **kwargs)`` as
+    ``heads``'s. Reference: Yang et al. 2025, Gated Delta Networks."""
+
+    def __init__(self, heads: ea.MultiHeadAttention) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(heads.d_model, heads.d_model, bias=False)
+        self.out_proj = heads.out_proj  # applied here, after the gate
+        heads.out_proj = torch.nn.Identity()  # heads(x): the normalised heads, concatenated
+        heads.attention = NormalisedHeads(heads.attention, heads.d_head)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        heads = self.heads(x, **kwargs)  # (..., n, h d_head): RMSNorm(o_t) of every head
+        return self.out_proj(heads * torch.nn.functional.silu(self.gate(x)))
+
+
 def make_model(name: str, task: ea.AssociativeRecall) -> torch.nn.Module:
     """The causal ``TinyTransformer`` of model ``name`` (a kind of ``KINDS`` or a variant)."""
     variant = VARIANTS.get(name, {"attention": name, "attention_options": {},
@@ -146,6 +187,9 @@ def make_model(name: str, task: ea.AssociativeRecall) -> torch.nn.Module:
         for block in model.blocks:
             heads = block.attention
             heads.attention = ShortConvolution(heads.attention, heads.num_heads, heads.d_head)
+    if variant.get("output_gate"):
+        for block in model.blocks:
+            block.attention = OutputGate(block.attention)
     return model
 
 
@@ -370,60 +414,123 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def run_config(plan: dict) -> dict:
+    """The ``config`` of a run with ``plan``."""
+    return {
+        "attention_kinds": list(KINDS),
+        "variants": {**VARIANTS, "delta, short conv": {
+            **VARIANTS["delta, short conv"], "width": CONV_WIDTH}},
+        "models": list(MODELS),
+        "task": TASK,
+        "task_spec": repr(make_task()),
+        "model": MODEL,
+        "training": {**TRAIN, "steps": plan["steps"], "optimizer": "AdamW (ea.train_model)"},
+        "seeds": list(plan["seeds"]),
+        "evaluation": plan["evaluation"],
+        "curve_window": CURVE_WINDOW,
+    }
+
+
+def load_earlier(path: Path, plan: dict, models: list[str]) -> dict:
+    """An earlier run to add ``models`` to (``--add-to``): it must have been made with the
+    same task, model, training, seeds and evaluation, and hold every other model's runs."""
+    earlier = json.loads(Path(path).read_text())
+    ours = run_config(plan)
+    for key in ours.keys() - {"variants", "models"}:
+        if earlier["config"].get(key) != ours[key]:
+            raise SystemExit(f"--add-to: {path} has config[{key!r}] = "
+                             f"{earlier['config'].get(key)!r}, this script {ours[key]!r}: "
+                             "rerun every model instead")
+    missing = [kind for kind in MODELS if kind not in models and kind not in earlier["runs"]]
+    if missing:
+        raise SystemExit(f"--add-to: {path} has no runs of {missing}: add them to --models")
+    return earlier
+
+
+def check_reproduced(earlier: dict, plan: dict, models: list[str], progress: bool) -> dict:
+    """Train the first model that is kept from ``earlier`` again, with its first seed, and
+    require the same answer to every held-out query: the kept runs are what this script
+    would train now (training on a CPU is deterministic for a given torch and thread
+    count)."""
+    kind = next(kind for kind in MODELS if kind not in models)
+    seed = plan["seeds"][0]
+    stored = next(run for run in earlier["runs"][kind] if run["seed"] == seed)
+    again = train_one(kind, seed, progress, plan)
+    if again["eval_correct"] != stored["eval_correct"]:
+        raise SystemExit(f"--add-to: {kind}, seed {seed} trained again answers "
+                         f"{again['eval_accuracy']:.4f} of the queries, the stored run "
+                         f"{stored['eval_accuracy']:.4f}: not reproducible here, rerun every "
+                         "model instead")
+    print(f"  {kind}, seed {seed}: trained again, the same answers to all "
+          f"{len(stored['eval_correct'])} held-out queries", flush=True)
+    return {"model": kind, "seed": seed, "eval_accuracy": again["eval_accuracy"],
+            "identical": True}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_output_arguments(parser)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument("--models", nargs="+", choices=MODELS, metavar="MODEL",
+                        help="with --add-to: the models to train")
+    parser.add_argument("--add-to", type=Path, metavar="JSON",
+                        help="an earlier run (its JSON) to add --models to: the other models' "
+                             "runs and the capacity experiment are kept (one kept run is "
+                             "trained again first and must give the same answers), the step "
+                             "timing of every model is measured again")
     args = parser.parse_args(argv)
     if args.replot:
         results = json.loads(results_path(NAME, out=args.out).read_text())
         write_figure(results_path(NAME, "png", out=args.out), plot(results))
         return results
+    if bool(args.models) != bool(args.add_to):
+        parser.error("--models and --add-to go together")
     out = output_folder(args.quick, args.out)
     torch.set_num_threads(2)
     progress = not args.no_progress
     plan = QUICK if args.quick else FULL
+    models = list(args.models or MODELS)
+    earlier = load_earlier(args.add_to, plan, models) if args.add_to else None
     conditions = run_conditions()
     start = time.perf_counter()
-    runs: dict[str, list[dict]] = {kind: [] for kind in MODELS}
+    reproduced = check_reproduced(earlier, plan, models, progress) if earlier else None
+    runs: dict[str, list[dict]] = {kind: [] for kind in models}
     for seed in plan["seeds"]:  # seed by seed, so that a disturbance of the machine hits every kind
-        for kind in MODELS:
+        for kind in models:
             if progress:
                 print(f"{kind} / seed {seed}", flush=True)
             run = train_one(kind, seed, progress, plan)
             runs[kind].append(run)
             print(f"  {kind:17s} seed {seed}: held-out accuracy {run['eval_accuracy']:.3f}  "
                   f"{run['train_wall_s']:.0f} s", flush=True)
+    if earlier:
+        runs = {kind: runs[kind] if kind in models else earlier["runs"][kind]
+                for kind in MODELS}
     if progress:
         print(f"timing one training step of every model, {plan['step_rounds']} rounds",
               flush=True)
     timing = step_timing(plan["step_rounds"])
-    if progress:
-        print("capacity of one head", flush=True)
-    memory = capacity(CAPACITY_QUICK if args.quick else CAPACITY)
+    if earlier:
+        memory = earlier["capacity"]
+    else:
+        if progress:
+            print("capacity of one head", flush=True)
+        memory = capacity(CAPACITY_QUICK if args.quick else CAPACITY)
     results = {
         "benchmark": NAME,
         "conditions": {**conditions, "wall_time_s": time.perf_counter() - start,
                        "quick": args.quick},
-        "config": {
-            "attention_kinds": list(KINDS),
-            "variants": {**VARIANTS, "delta, short conv": {
-                **VARIANTS["delta, short conv"], "width": CONV_WIDTH}},
-            "models": list(MODELS),
-            "task": TASK,
-            "task_spec": repr(make_task()),
-            "model": MODEL,
-            "training": {**TRAIN, "steps": plan["steps"], "optimizer": "AdamW (ea.train_model)"},
-            "seeds": list(plan["seeds"]),
-            "evaluation": plan["evaluation"],
-            "curve_window": CURVE_WINDOW,
-        },
+        "config": run_config(plan),
         "runs": runs,
         "summary": {kind: summarise(kind_runs) for kind, kind_runs in runs.items()},
         "step_timing": timing,
         "capacity": memory,
     }
+    if earlier:  # where the kept runs come from
+        results["conditions"]["earlier"] = {
+            "conditions": earlier["conditions"], "reproduced": reproduced,
+            "models": [kind for kind in MODELS if kind not in models]}
     results["conditions"].update(run_conditions(end=True))
     write_results(NAME, results, out=out, markdown=markdown(results), figure=plot(results),
                   indent=None)

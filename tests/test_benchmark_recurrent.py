@@ -6,6 +6,7 @@ About 20 s on two cores.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -85,15 +86,26 @@ def test_target_is_checked_at_n_8192(recurrent_speed):
     assert recurrent_speed.check_targets({"ratios": {"512": {"forward": {}}}}) == {}
 
 
-def test_train_recurrent_quick_run_matches_the_committed_structure(tmp_path):
-    """benchmarks/train_recurrent.py (the recall the gated chapter and the comparison read):
-    its quick mode trains every kind and seed of the committed results, with sane values."""
+def _train_recurrent(out: Path, *options: str) -> dict:
+    """benchmarks/train_recurrent.py --quick with ``options``, writing into ``out``."""
     script = ROOT / "benchmarks" / "train_recurrent.py"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MPLBACKEND": "Agg"}
-    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path),
-                           "--no-progress"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out),
+                           "--no-progress", *options],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    quick = json.loads((tmp_path / "train_recurrent.json").read_text())
+    return json.loads((out / "train_recurrent.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def train_recurrent_quick(tmp_path_factory) -> dict:
+    return _train_recurrent(tmp_path_factory.mktemp("train_recurrent"))
+
+
+def test_train_recurrent_quick_run_matches_the_committed_structure(train_recurrent_quick):
+    """benchmarks/train_recurrent.py (the recall the gated chapter and the comparison read):
+    its quick mode trains every kind and seed of the committed results, with sane values."""
+    quick = train_recurrent_quick
     committed = json.loads((ROOT / "benchmarks/results/train_recurrent.json").read_text())
     assert quick.keys() == committed.keys()
     assert quick["config"]["attention_kinds"] == committed["config"]["attention_kinds"]
@@ -151,3 +163,77 @@ def test_short_convolution_looks_back_only(monkeypatch):
     assert seen["causal"] is True
     with pytest.raises(ValueError):
         conv(q, k, v, causal=False)
+
+
+def test_output_gate_normalises_each_head_then_gates(monkeypatch):
+    """The output gate of train_recurrent.py equals, in float64, the formula written out:
+    ``W_O (RMSNorm(o_t) * silu(W_g x_t))`` with RMSNorm over each head's channels."""
+    import torch
+
+    import efficient_attention as ea
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("train_recurrent_gate",
+                                                  ROOT / "benchmarks" / "train_recurrent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    heads = ea.MultiHeadAttention(12, 3).double()
+    w_q, w_k, w_v = (p.weight.detach().clone() for p in (heads.q_proj, heads.k_proj,
+                                                          heads.v_proj))
+    b_q, b_k, b_v = (p.bias.detach().clone() for p in (heads.q_proj, heads.k_proj,
+                                                        heads.v_proj))
+    gated = module.OutputGate(heads).double()
+    with torch.no_grad():
+        gated.heads.attention.norm.weight.uniform_(0.5, 1.5)  # not the initial ones
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    out = gated(x, causal=True)
+
+    def split(y):  # (2, 7, 12) -> (2, 3, 7, 4)
+        return y.reshape(2, 7, 3, 4).transpose(1, 2)
+
+    q, k, v = split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
+    scores = q @ k.transpose(-2, -1) / 2.0  # sqrt(d_head) = 2
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    o = scores.softmax(-1) @ v  # (2, 3, 7, 4)
+    weight = gated.heads.attention.norm.weight.detach()
+    normalised = o / torch.sqrt((o**2).mean(-1, keepdim=True) + 1e-6) * weight
+    merged = normalised.transpose(1, 2).reshape(2, 7, 12)
+    gate = torch.nn.functional.silu(x @ gated.gate.weight.detach().T)
+    expected = (merged * gate) @ gated.out_proj.weight.detach().T + gated.out_proj.bias.detach()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert isinstance(gated.heads.out_proj, torch.nn.Identity)  # W_O applied once, after the gate
+
+
+def test_train_recurrent_adds_a_model_to_an_earlier_run(train_recurrent_quick, tmp_path):
+    """--add-to: a model trained into an earlier run gives the runs a full run gives it (the
+    training is deterministic), keeps the earlier runs of the others, checks that by training
+    one of them again, and times every model's step anew; a changed setting is refused."""
+    added = "gated delta, output gate"
+    earlier = copy.deepcopy(train_recurrent_quick)
+    del earlier["runs"][added], earlier["summary"][added]
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    merged = _train_recurrent(tmp_path / "merged", "--add-to", str(tmp_path / "earlier.json"),
+                              "--models", added)
+    full = train_recurrent_quick
+    assert list(merged["runs"]) == full["config"]["models"]
+    for kind, runs in full["runs"].items():
+        assert [r["eval_correct"] for r in merged["runs"][kind]] == [
+            r["eval_correct"] for r in runs], kind
+    provenance = merged["conditions"]["earlier"]
+    assert provenance["models"] == [k for k in full["config"]["models"] if k != added]
+    assert provenance["reproduced"]["identical"] is True
+    assert set(merged["step_timing"]["time"]) == set(full["runs"])
+    assert merged["capacity"] == full["capacity"]
+    # an earlier run made with other settings is refused, and --models needs --add-to
+    earlier["config"]["training"]["lr"] *= 2
+    (tmp_path / "other.json").write_text(json.dumps(earlier))
+    script = ROOT / "benchmarks" / "train_recurrent.py"
+    for options, message in (
+            (["--add-to", str(tmp_path / "other.json"), "--models", added],
+             "--add-to: " + str(tmp_path / "other.json") + " has config['training']"),
+            (["--models", added], "--models and --add-to go together")):
+        done = subprocess.run([sys.executable, str(script), "--quick", "--no-progress",
+                               "--out", str(tmp_path / "refused"), *options],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
