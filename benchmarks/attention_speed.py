@@ -319,16 +319,31 @@ def release_free_memory() -> None:
         pass
 
 
-def memory_probe(n: int, keys: list[str]) -> None:
-    """Subprocess entry: print the peak extra RSS of each ``mode:method`` key at ``n``.
+def peak_extra_rss(call, inputs=()) -> int:
+    """Peak extra resident bytes of one ``call()``.
 
     Writing 5 to /proc/self/clear_refs resets the kernel's peak-RSS mark (VmHWM) to the
-    current RSS, so VmHWM after a call is the peak during that call. Between calls, freed
-    memory is handed back to the OS, so that no call runs in memory a previous one left
-    resident. (``ru_maxrss`` would not do: on Linux it keeps the parent's RSS across fork
-    and exec, and it cannot be reset.) A training step's gradients count: they are
-    allocated during the call.
+    current RSS, so VmHWM after the call is the peak during it. Before it, freed memory is
+    handed back to the OS, so that the call does not run in memory a previous one left
+    resident, and the gradients a previous call left on the tensors ``inputs`` are dropped:
+    ``run_once`` drops them itself, but inside the call, where the memory they free would be
+    reused by the new ones and hide that much of the peak. (``ru_maxrss`` would not do: on
+    Linux it keeps the parent's RSS across fork and exec, and it cannot be reset.) A training
+    step's gradients count: they are allocated during the call.
     """
+    for tensor in inputs:
+        tensor.grad = None
+    release_free_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_bytes("VmRSS")
+    call()
+    return max(0, status_bytes("VmHWM") - before)
+
+
+def memory_probe(n: int, keys: list[str]) -> None:
+    """Subprocess entry: print the peak extra RSS (``peak_extra_rss``) of each
+    ``mode:method`` key at ``n``."""
     torch.set_num_threads(THREADS)
     methods = available_methods()
     pairs = [key.split(":", 1) for key in keys]
@@ -340,14 +355,8 @@ def memory_probe(n: int, keys: list[str]) -> None:
     inputs = make_inputs(n, packed)
     extra: dict[str, dict[str, int]] = {mode: {} for mode in MODES}
     for mode, name in pairs:
-        for leaf in leaves(inputs):
-            leaf.grad = None
-        release_free_memory()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = status_bytes("VmRSS")
-        run_once(mode, methods[name], inputs)
-        extra[mode][name] = max(0, status_bytes("VmHWM") - before)
+        extra[mode][name] = peak_extra_rss(
+            functools.partial(run_once, mode, methods[name], inputs), leaves(inputs))
     print(json.dumps(extra))
 
 

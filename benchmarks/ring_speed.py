@@ -90,7 +90,7 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
-from attention_speed import release_free_memory, run_once, status_bytes  # noqa: E402
+from attention_speed import peak_extra_rss, release_free_memory, run_once  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 from efficient_attention import distributed as cp  # noqa: E402
@@ -137,22 +137,6 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
 
 
-def measure_rss(call, inputs: dict | None = None) -> int:
-    """Peak extra resident bytes of one ``call()`` (the probe of ``attention_speed.py``).
-    The gradients a previous call left on ``inputs`` are dropped first: ``run_once`` drops
-    them itself, but inside the measured call, where the memory they free is reused by the
-    new ones and would hide that much of the call's peak (the gradients of q, k and v: 48 MiB
-    for the single process at n = 8192, 1/p of that on a rank)."""
-    for tensor in (inputs or {}).values():
-        tensor.grad = None
-    release_free_memory()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status_bytes("VmRSS")
-    call()
-    return max(0, status_bytes("VmHWM") - before)
-
-
 def measure_tensors(call) -> int:
     with ea.TensorMemoryTracker() as tracker:
         call()
@@ -190,11 +174,11 @@ def rank_main(n: int, with_tiled: bool, measure: bool) -> dict:
             if workload == "train":
                 held.append(xs[config]["grad_out"])
             log = cp.CommunicationLog()  # the bytes of the first of these two calls
-            rss = [measure_rss(functools.partial(run_once, workload,
-                                                 functools.partial(method, log=log), xs[config]),
-                               xs[config])]
-            rss += [measure_rss(functools.partial(run_once, workload, method, xs[config]),
-                                xs[config]) for _ in range(RSS_REPEATS - 1)]
+            rss = [peak_extra_rss(functools.partial(run_once, workload,
+                                                    functools.partial(method, log=log),
+                                                    xs[config]), xs[config].values())]
+            rss += [peak_extra_rss(functools.partial(run_once, workload, method, xs[config]),
+                                   xs[config].values()) for _ in range(RSS_REPEATS - 1)]
             tensors = measure_tensors(functools.partial(run_once, workload, method, xs[config]))
             memory[config, workload] = {"inputs": tensor_bytes(*held), "rss_extra": min(rss),
                                         "rss_extra_samples": rss, "tensor_extra": tensors}
@@ -237,7 +221,7 @@ def context_parallel_main(n: int, repeats: int, measure: bool) -> dict:
             with CommDebugMode() as comm:
                 forward()
             out["collectives"] = {str(op): count for op, count in comm.get_comm_counts().items()}
-            out["memory"] = {"inputs": tensor_bytes(q, k, v), "rss_extra": measure_rss(forward)}
+            out["memory"] = {"inputs": tensor_bytes(q, k, v), "rss_extra": peak_extra_rss(forward)}
         leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
         leaves["grad_out"] = torch.ones_like(q)
         try:

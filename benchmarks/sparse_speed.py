@@ -99,7 +99,7 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
-from attention_speed import release_free_memory, run_once, status_bytes  # noqa: E402
+from attention_speed import peak_extra_rss, run_once  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 
@@ -422,14 +422,9 @@ def memory_probe(n: int, block_size: int, keys: list[str]) -> None:
             run_once(workload, calls[workload][name], x)  # compile for this n
     extra: dict[str, dict[str, int]] = {w: {} for w in WORKLOADS}
     for workload, name in pairs:
-        for leaf in ("q", "k", "v"):
-            x[leaf].grad = None
-        release_free_memory()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = status_bytes("VmRSS")
-        run_once(workload, calls[workload][name], x)
-        extra[workload][name] = max(0, status_bytes("VmHWM") - before)
+        extra[workload][name] = peak_extra_rss(
+            functools.partial(run_once, workload, calls[workload][name], x),
+            (x["q"], x["k"], x["v"]))
     print(json.dumps(extra))
 
 

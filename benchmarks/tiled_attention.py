@@ -55,6 +55,7 @@ the peak extra memory (the helpers of ``attention_speed.py``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -74,7 +75,7 @@ from _results import (  # noqa: E402
     run_conditions,
     write_results,
 )
-from attention_speed import release_free_memory, status_bytes  # noqa: E402
+from attention_speed import peak_extra_rss  # noqa: E402
 
 import efficient_attention as ea  # noqa: E402
 
@@ -172,14 +173,8 @@ def memory_probe(n: int, case: str, names: list[str]) -> None:
     x = make_inputs(n, grad=case.startswith("training"))
     extra = {}
     for name in names:
-        for t in "qkv":
-            x[t].grad = None
-        release_free_memory()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before = status_bytes("VmRSS")
-        call(METHODS[name], case, x)
-        extra[name] = max(0, status_bytes("VmHWM") - before)
+        extra[name] = peak_extra_rss(functools.partial(call, METHODS[name], case, x),
+                                     (x["q"], x["k"], x["v"]))
     print(json.dumps(extra))
 
 
