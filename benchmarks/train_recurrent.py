@@ -431,9 +431,9 @@ def run_config(plan: dict) -> dict:
     }
 
 
-def load_earlier(path: Path, plan: dict, models: list[str]) -> dict:
-    """An earlier run to add ``models`` to (``--add-to``): it must have been made with the
-    same task, model, training, seeds and evaluation, and hold every other model's runs."""
+def load_earlier(path: Path, plan: dict, kept: list[str]) -> dict:
+    """An earlier run to add models to (``--add-to``): it must have been made with the same
+    task, model, training, seeds and evaluation, and hold the runs of the models ``kept``."""
     earlier = json.loads(Path(path).read_text())
     ours = run_config(plan)
     for key in ours.keys() - {"variants", "models"}:
@@ -441,18 +441,16 @@ def load_earlier(path: Path, plan: dict, models: list[str]) -> dict:
             raise SystemExit(f"--add-to: {path} has config[{key!r}] = "
                              f"{earlier['config'].get(key)!r}, this script {ours[key]!r}: "
                              "rerun every model instead")
-    missing = [kind for kind in MODELS if kind not in models and kind not in earlier["runs"]]
+    missing = [kind for kind in kept if kind not in earlier["runs"]]
     if missing:
         raise SystemExit(f"--add-to: {path} has no runs of {missing}: add them to --models")
     return earlier
 
 
-def check_reproduced(earlier: dict, plan: dict, models: list[str], progress: bool) -> dict:
-    """Train the first model that is kept from ``earlier`` again, with its first seed, and
-    require the same answer to every held-out query: the kept runs are what this script
-    would train now (training on a CPU is deterministic for a given torch and thread
-    count)."""
-    kind = next(kind for kind in MODELS if kind not in models)
+def check_reproduced(earlier: dict, plan: dict, kind: str, progress: bool) -> dict:
+    """Train model ``kind``, kept from ``earlier``, again with its first seed, and require
+    the same answer to every held-out query: the kept runs are what this script would train
+    now (training on a CPU is deterministic for a given torch and thread count)."""
     seed = plan["seeds"][0]
     stored = next(run for run in earlier["runs"][kind] if run["seed"] == seed)
     again = train_one(kind, seed, progress, plan)
@@ -491,10 +489,14 @@ def main(argv: list[str] | None = None) -> dict:
     progress = not args.no_progress
     plan = QUICK if args.quick else FULL
     models = list(args.models or MODELS)
-    earlier = load_earlier(args.add_to, plan, models) if args.add_to else None
+    kept = [kind for kind in MODELS if kind not in models]  # from the earlier run
+    if args.add_to and not kept:
+        parser.error("--add-to: --models names every model, so nothing is kept; run without "
+                     "--add-to and --models")
+    earlier = load_earlier(args.add_to, plan, kept) if args.add_to else None
     conditions = run_conditions()
     start = time.perf_counter()
-    reproduced = check_reproduced(earlier, plan, models, progress) if earlier else None
+    reproduced = check_reproduced(earlier, plan, kept[0], progress) if earlier else None
     runs: dict[str, list[dict]] = {kind: [] for kind in models}
     for seed in plan["seeds"]:  # seed by seed, so that a disturbance of the machine hits every kind
         for kind in models:
@@ -530,7 +532,7 @@ def main(argv: list[str] | None = None) -> dict:
     if earlier:  # where the kept runs come from
         results["conditions"]["earlier"] = {
             "conditions": earlier["conditions"], "reproduced": reproduced,
-            "models": [kind for kind in MODELS if kind not in models]}
+            "models": kept}
     results["conditions"].update(run_conditions(end=True))
     write_results(NAME, results, out=out, markdown=markdown(results), figure=plot(results),
                   indent=None)
