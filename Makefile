@@ -76,8 +76,11 @@ $(WHEEL): $(STAMP) pyproject.toml README.md LICENSE $(shell find src -name '*.py
 	    "$$scratch"; status=$$?; rm -rf "$$scratch"; exit $$status
 	@test -f $(WHEEL) || { echo "no $(WHEEL) was built"; exit 1; }
 
+# Chapters missing from the execution cache are executed BOOK_JOBS at a time before the build
+# (book/_execution_cache.py; BOOK_JOBS=1: one at a time, for the timings chapters print).
+BOOK_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 book: $(STAMP) $(RELEASES) $(WHEEL)
-	$(BIN)/python book/_execution_cache.py
+	$(BIN)/python book/_execution_cache.py --jobs $(BOOK_JOBS)
 	$(BIN)/jupyter-book build . -W --keep-going
 	@echo "Book built: $(CURDIR)/_build/html/index.html"
 
@@ -87,7 +90,7 @@ book: $(STAMP) $(RELEASES) $(WHEEL)
 # (book/_pdf.py: A4, page numbers, the maths typeset by the offline MathJax first).
 PDF := _build/pdf/efficient-attention.pdf
 pdf: $(STAMP) $(RELEASES) $(WHEEL) chromium
-	$(BIN)/python book/_execution_cache.py
+	$(BIN)/python book/_execution_cache.py --jobs $(BOOK_JOBS)
 	$(BIN)/jupyter-book build . --builder singlehtml -W --keep-going
 	$(BIN)/python book/_pdf.py --site _build/singlehtml --output $(PDF)
 

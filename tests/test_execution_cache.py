@@ -125,3 +125,66 @@ def test_make_book_refreshes_the_cache_jupyter_book_uses():
     assert recipe.index("book/_execution_cache.py") < recipe.index("jupyter-book build"), recipe
     assert execution_cache.BUILD == ROOT / "_build"  # jupyter-book build . writes there
     assert "execute_notebooks: cache" in (ROOT / "_config.yml").read_text(encoding="utf-8")
+
+
+def _waiting_page(mine: str, other: str) -> dict:
+    """A page that says it started, then waits (at most 60 s) until ``other`` has started:
+    two of them finish only when they run at the same time."""
+    page = json.loads(json.dumps(PAGE))
+    page["cells"][0]["source"] = (
+        "import time\nfrom pathlib import Path\n"
+        f"Path('{mine}.started').touch()\n"
+        "end = time.monotonic() + 60\n"
+        f"while not Path('{other}.started').exists():\n"
+        "    assert time.monotonic() < end, 'the other page never ran beside this one'\n"
+        "    time.sleep(0.05)\n"
+        f"print('value: {mine}')")
+    return page
+
+
+def test_missing_chapters_run_side_by_side_and_jupyter_book_reuses_them(tmp_path):
+    """``--jobs 2`` executes two chapters at once (each page waits for the other: one at a
+    time, the first would fail), stores them as jupyter-book's cache mode would, so that the
+    build executes nothing; a second call finds nothing to do; a chapter that fails is left
+    out of the cache and named."""
+    root = _project(tmp_path / "book")
+    (root / "_config.yml").write_text("title: t\nexecute:\n  execute_notebooks: cache\n"
+                                      "  timeout: 120\nonly_build_toc_files: true\n")
+    (root / "_toc.yml").write_text("format: jb-book\nroot: first\nchapters:\n"
+                                   "  - file: second.ipynb\n  - file: broken\n")
+    (root / "first.ipynb").write_text(json.dumps(_waiting_page("first", "second")))
+    (root / "second.ipynb").write_text(json.dumps(_waiting_page("second", "first")))
+    broken = json.loads(json.dumps(PAGE))
+    broken["cells"][0]["source"] = "raise ValueError('a broken chapter')"
+    (root / "broken.ipynb").write_text(json.dumps(broken))
+    build = root / "_build"
+    assert [p.name for p in execution_cache.chapters(root)] == [
+        "first.ipynb", "second.ipynb", "broken.ipynb"]
+    assert execution_cache.cell_timeout_s(root) == 120
+
+    outcome = execution_cache.execute_missing(build, root, jobs=2)
+    assert {p.name: error for p, error in outcome.items()} == {
+        "first.ipynb": "", "second.ipynb": "",
+        "broken.ipynb": outcome[root / "broken.ipynb"]}
+    assert "a broken chapter" in outcome[root / "broken.ipynb"]
+    assert list(execution_cache.execute_missing(build, root, jobs=2)) == [root / "broken.ipynb"]
+
+    (root / "broken.ipynb").write_text(json.dumps(PAGE))  # mended: only it is executed
+    (root / "src" / "efficient_attention" / "value.txt").write_text("mended")
+    done = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build",
+                           str(root)], capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert log.count("Using cached notebook") == 2, log[-3000:]
+    assert log.count("Executing notebook") == 1, log[-3000:]
+    for name, value in (("first", "first"), ("second", "second"), ("broken", "mended")):
+        page = (build / "html" / f"{name}.html").read_text(encoding="utf-8")
+        assert f"value: {value}" in page, name
+
+
+def test_make_book_executes_chapters_on_every_core():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for target in ("book", "pdf"):
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, flags=re.M).group(1)
+        assert "book/_execution_cache.py --jobs $(BOOK_JOBS)" in recipe, recipe
+    assert re.search(r"^BOOK_JOBS \?= \$\(shell nproc", makefile, flags=re.M)
