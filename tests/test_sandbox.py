@@ -57,7 +57,7 @@ ATTACKED = "part4-scale"  # the answer cell each attack replaces, and its test c
 MARK = b"PWNED"  # what the attacks write; their source spells it reversed ("DENWP"[::-1])
 
 sys.path.insert(0, str(COURSE))
-from course_tools import integrity, limits, sandbox  # noqa: E402
+from course_tools import bubblewrap, integrity, limits, sandbox  # noqa: E402
 
 # --- the attacks: the body of unit_variance_scale(d, sigma), before its correct return ------
 TRY_ALL = '''
@@ -633,6 +633,13 @@ def test_sandboxed_kernel_directly(bwrap, tmp_path, monkeypatch):
         f"    big.write(bytes({(settings.max_file_mb + 1) << 20}))",
         "import time\ntime.sleep(600)",
         "print('after the interrupt')",
+        # matplotlib reads the grader's font list instead of building its own (fc-list)
+        "import subprocess\nruns = []\nrun_program = subprocess.check_output\n"
+        "def recorded(args, *rest, **options):\n    runs.append(args)\n"
+        "    return run_program(args, *rest, **options)\n"
+        "subprocess.check_output = recorded\n"
+        "from matplotlib import font_manager\n"
+        "print('programs run:', runs, 'fonts:', len(font_manager.fontManager.ttflist) > 0)",
     ], timeout=120, sleeping_cell_timeout=8)
     listing, secret, gradebook = _text(nb.cells[0]), _text(nb.cells[2]), nb.cells[1]
     assert "['data.txt']" in listing and f"/home/student/{NAME}" in listing, listing
@@ -649,8 +656,24 @@ def test_sandboxed_kernel_directly(bwrap, tmp_path, monkeypatch):
     # the time limit still works
     assert any(o.get("ename") == "KeyboardInterrupt" for o in nb.cells[8].outputs)
     assert "after the interrupt" in _text(nb.cells[9])
+    assert sandbox.matplotlib_font_list(), "the grader has no matplotlib font list to share"
+    fonts = nb.cells[10]
+    assert _text(fonts).strip() == "programs run: [] fonts: True", _text(fonts)
+    assert not [o for o in fonts.outputs if o.get("name") == "stderr"], fonts.outputs
     assert _snapshot(course) == before
     assert list(scratch.iterdir()) == [] and _sandbox_processes(scratch) == []
+
+
+def test_files_bound_under_tmp_only():
+    options = dict(tmp_bytes=1 << 20, devices=[], read_only_paths=[], run_dir="/r",
+                   work_dir="/w", workdir_inside="/home/student/x", protected=[], env={})
+    args = bubblewrap.bwrap_args([], **options, tmp_files=(("/a/list.json", "/tmp/.c/m/l"),))
+    tail = args[args.index("/tmp") + 1:]
+    assert tail[:10] == ["--perms", "1777", "--dir", "/tmp/.c", "--perms", "1777", "--dir",
+                         "/tmp/.c/m", "--ro-bind-try", "/a/list.json"], tail
+    for outside in ("/etc/passwd", "/tmp/../etc/x", "tmp/x"):
+        with pytest.raises(ValueError, match="not a path under /tmp"):
+            bubblewrap.bwrap_args([], **options, tmp_files=(("/a", outside),))
 
 
 def test_death_reasons():

@@ -87,9 +87,12 @@ def _parents(path: str) -> list[str]:
 
 def bwrap_args(namespaces: list[str], *, tmp_bytes: int, devices: list[str],
                read_only_paths: list[str], run_dir: str, work_dir: str, workdir_inside: str,
-               protected: list[str], env: dict[str, str]) -> list[str]:
+               protected: list[str], env: dict[str, str],
+               tmp_files: tuple[tuple[str, str], ...] = ()) -> list[str]:
     """The bwrap options (everything before the command) for one kernel: ``namespaces``,
-    then the filesystem view, its working directory and its environment."""
+    then the filesystem view, its working directory and its environment. ``tmp_files``:
+    ``(file, path under /tmp)`` pairs, each file bound read-only there (skipped if missing),
+    in folders any user may write (the kernel may run as another user)."""
     args = [*namespaces, "--ro-bind", "/usr", "/usr"]
     for path in SYSTEM_LINKS:
         if os.path.islink(path):
@@ -101,6 +104,12 @@ def bwrap_args(namespaces: list[str], *, tmp_bytes: int, devices: list[str],
         args += ["--ro-bind-try", path, path]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    for source, inside in tmp_files:
+        if not inside.startswith("/tmp/") or ".." in Path(inside).parts:
+            raise ValueError(f"tmp_files: {inside!r} is not a path under /tmp")
+        for parent in _parents(inside)[1:]:
+            args += ["--perms", "1777", "--dir", parent]
+        args += ["--ro-bind-try", source, inside]
     for device in devices:
         args += ["--dev-bind-try", device, device]
     extra = [os.path.abspath(p) for p in read_only_paths]
