@@ -13,6 +13,7 @@ start their own small groups, forked from the test process (no import, so quick)
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 import time
@@ -547,13 +548,36 @@ def _rank_report(tag):
     return dist.get_rank(), dist.get_world_size(), torch.get_num_threads(), tag
 
 
-def _fails_on_rank_one(linger_s=0.0):
+def _fails_on_rank_one(peer_file=None):
     if dist.get_rank() == 1:
-        # A thread that outlives the error holds rank 1's exit back by linger_s, so that
-        # rank 0, failing in consequence, exits first: the race seen in CI, made certain.
-        threading.Thread(target=time.sleep, args=(linger_s,)).start()
+        if peer_file is not None:
+            # A thread that outlives the error holds rank 1's exit back until rank 0, failing
+            # in consequence, has exited: the race seen in CI, made certain, on a busy
+            # machine too (a fixed delay of 3 s was not enough beside a full test run)
+            threading.Thread(target=_wait_until_exited, args=(peer_file,)).start()
         raise ValueError("rank one fails on purpose")
+    if peer_file is not None:
+        Path(peer_file).write_text(f"{os.getpid()}\n")
     dist.barrier()  # rank 0 waits for a rank that never comes: killed, not hung
+
+
+def _wait_until_exited(pid_file, limit_s=60.0):
+    """Return once the process whose id ``pid_file`` holds has exited (a zombie or gone),
+    or after ``limit_s``."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        try:
+            pid = int(Path(pid_file).read_text())
+        except (FileNotFoundError, ValueError):  # not written yet, or half written
+            time.sleep(0.02)
+            continue
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.02)
 
 
 def test_run_on_processes_returns_each_rank_result_in_order():
@@ -572,13 +596,14 @@ def test_run_on_processes_returns_each_rank_result_in_order():
     assert ea.run_on_processes is cp.run_on_processes
 
 
-def test_run_on_processes_reports_a_failing_rank_and_a_timeout():
+def test_run_on_processes_reports_a_failing_rank_and_a_timeout(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match="rank one fails on purpose"):
         cp.run_on_processes(_fails_on_rank_one, 2, timeout_s=60)
     # rank 0's consequent error ("connection closed by peer") exits first; the cause is
     # still the error reported, and rank 0 is named as failing after it
     with pytest.raises(mp.ProcessRaisedException) as raised:
-        cp.run_on_processes(_fails_on_rank_one, 2, (3.0,), timeout_s=60)
+        cp.run_on_processes(_fails_on_rank_one, 2, (str(tmp_path / "rank0.pid"),),
+                            timeout_s=60)
     assert raised.value.error_index == 1
     assert "-- Process 1 terminated" in raised.value.msg
     assert "rank one fails on purpose" in raised.value.msg
