@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress = not args.no_progress
     sizes = (8, 32) if args.quick else SIZES
     seeds = (0,) if args.quick else SEEDS
-    steps = 20 if args.quick else TRAIN["steps"]
+    steps = 4 if args.quick else TRAIN["steps"]
     conditions = run_conditions()
     start = time.perf_counter()
 

@@ -110,7 +110,7 @@ WORKLOADS = ("forward", "train")
 DENSITIES = {"1/4": 4, "1/8": 8, "1/16": 16}  # label: 1 / density
 PATTERNS = ("window", "random")
 FULL = {"sizes": [4096, 8192, 16384, 32768], "block_size": 128, "repeats": 3}
-QUICK = {"sizes": [256, 512], "block_size": 32, "repeats": 2}
+QUICK = {"sizes": [128, 256], "block_size": 32, "repeats": 2}
 MASKED_ALL_MAX_N = 4096  # SDPA + token mask for every mask up to here (it costs the same)
 MASKED_MAX_N = 16384  # ... and for window 1/8 only up to here (a 1 GiB bool mask at 32768)
 MASKED_WIDE = "window 1/8"
@@ -408,7 +408,7 @@ def memory_probe(n: int, block_size: int, keys: list[str]) -> None:
     torch.set_num_threads(THREADS)
     pairs = [key.split("|", 1) for key in keys]
     reformer = reformer_lsh()
-    tiny_n = 4 * max(block_size, 2 * LSH["chunk_size"])
+    tiny_n = min(n, 4 * max(block_size, 2 * LSH["chunk_size"]))  # at most n (a quick run's)
     tiny = plan(tiny_n, block_size, make_masks(tiny_n, block_size)[0], reformer, False)
     x_tiny = make_inputs(tiny_n)
     for workload, name in pairs:

@@ -90,7 +90,7 @@ CASES = ("forward", "forward_causal", "training_step", "training_step_causal")
 MEMORY_CASES = ("forward", "training_step_causal")
 FULL = {"time": [1024, 2048, 4096, 8192], "memory": [1024, 2048, 4096, 8192, 16384],
         "sweep_n": 8192, "repeats": 5}
-QUICK = {"time": [128, 256], "memory": [256, 512], "sweep_n": 256, "repeats": 2}
+QUICK = {"time": [128, 256], "memory": [512], "sweep_n": 256, "repeats": 2}
 SWEEP = [(64, 512), (128, 256), (128, 512), (256, 256), (256, 512), (512, 256), (512, 512),
          (1024, 512), (256, 1024), (256, 8192)]  # the last: one key tile spans all of n
 QUICK_SWEEP = [(128, 128), (512, 512)]  # the default must be in the sweep

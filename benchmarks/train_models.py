@@ -75,9 +75,9 @@ TRAIN = {"batch_size": 32, "lr": 3e-3, "seed": 0}
 EVAL = {"batch_size": 256, "seed": 1}
 TIMING_REPEATS = 7  # extra timed steps per model; their minimum resists other load
 # What each run measures after training; --quick: a smoke test of the whole pipeline (every
-# task, mode and kind, 3 steps each), seconds per run
+# task, mode and kind, one step each), seconds per run
 FULL = {"timing_repeats": TIMING_REPEATS, "evaluation": EVAL}
-QUICK = {"steps": 3, "timing_repeats": 2, "evaluation": {"batch_size": 32, "seed": 1}}
+QUICK = {"steps": 1, "timing_repeats": 1, "evaluation": {"batch_size": 8, "seed": 1}}
 
 
 def fastest_step_ms(model: torch.nn.Module, task, repeats: int) -> float:

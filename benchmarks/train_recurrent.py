@@ -103,8 +103,8 @@ STEP_ROUNDS = 20  # rounds of the final timing of one training step of every mod
 # run
 FULL = {"steps": TRAIN["steps"], "seeds": SEEDS, "timing_repeats": TIMING_REPEATS,
         "evaluation": EVAL, "step_rounds": STEP_ROUNDS}
-QUICK = {"steps": 5, "seeds": SEEDS[:2], "timing_repeats": 2,
-         "evaluation": {"batch_size": 256, "seed": 12345}, "step_rounds": 2}
+QUICK = {"steps": 2, "seeds": SEEDS[:2], "timing_repeats": 1,
+         "evaluation": {"batch_size": 64, "seed": 12345}, "step_rounds": 2}
 
 
 def make_task() -> ea.AssociativeRecall:

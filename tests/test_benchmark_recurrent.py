@@ -86,6 +86,17 @@ def test_target_is_checked_at_n_8192(recurrent_speed):
     assert recurrent_speed.check_targets({"ratios": {"512": {"forward": {}}}}) == {}
 
 
+def _train_recurrent_module(monkeypatch, name: str):
+    """benchmarks/train_recurrent.py imported as module ``name`` (its siblings ``_timing`` and
+    ``_results`` on ``sys.path`` for the test)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name,
+                                                  ROOT / "benchmarks" / "train_recurrent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _train_recurrent(out: Path, *options: str) -> dict:
     """benchmarks/train_recurrent.py --quick with ``options``, writing into ``out``."""
     script = ROOT / "benchmarks" / "train_recurrent.py"
@@ -135,11 +146,7 @@ def test_short_convolution_looks_back_only(monkeypatch):
     head and shift, then SiLU; with the weight 1 on the current token it is SiLU alone."""
     import torch
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling _timing
-    spec = importlib.util.spec_from_file_location("train_recurrent_module",
-                                                  ROOT / "benchmarks" / "train_recurrent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _train_recurrent_module(monkeypatch, "train_recurrent_module")
     seen = {}
 
     def inner(q, k, v, *, causal, key_padding_mask=None):
@@ -172,11 +179,7 @@ def test_output_gate_normalises_each_head_then_gates(monkeypatch):
 
     import efficient_attention as ea
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("train_recurrent_gate",
-                                                  ROOT / "benchmarks" / "train_recurrent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _train_recurrent_module(monkeypatch, "train_recurrent_gate")
     torch.manual_seed(0)
     heads = ea.MultiHeadAttention(12, 3).double()
     w_q, w_k, w_v = (p.weight.detach().clone() for p in (heads.q_proj, heads.k_proj,
@@ -205,7 +208,8 @@ def test_output_gate_normalises_each_head_then_gates(monkeypatch):
     assert isinstance(gated.heads.out_proj, torch.nn.Identity)  # W_O applied once, after the gate
 
 
-def test_train_recurrent_adds_a_model_to_an_earlier_run(train_recurrent_quick, tmp_path):
+def test_train_recurrent_adds_a_model_to_an_earlier_run(train_recurrent_quick, tmp_path,
+                                                       monkeypatch, capsys):
     """--add-to: a model trained into an earlier run gives the runs a full run gives it (the
     training is deterministic), keeps the earlier runs of the others, checks that by training
     one of them again, and times every model's step anew; a changed setting is refused."""
@@ -225,15 +229,24 @@ def test_train_recurrent_adds_a_model_to_an_earlier_run(train_recurrent_quick, t
     assert provenance["reproduced"]["identical"] is True
     assert set(merged["step_timing"]["time"]) == set(full["runs"])
     assert merged["capacity"] == full["capacity"]
-    # an earlier run made with other settings is refused, and --models needs --add-to
+    # an earlier run made with other settings is refused, and --models needs --add-to: the
+    # script's main, called here (both refusals come before any training; a process of its
+    # own would spend its time importing torch), must exit with the message
+    import torch
+
     earlier["config"]["training"]["lr"] *= 2
     (tmp_path / "other.json").write_text(json.dumps(earlier))
-    script = ROOT / "benchmarks" / "train_recurrent.py"
+    module = _train_recurrent_module(monkeypatch, "train_recurrent_refusals")
+    threads = torch.get_num_threads()  # main sets two threads before it reads --add-to
     for options, message in (
             (["--add-to", str(tmp_path / "other.json"), "--models", added],
              "--add-to: " + str(tmp_path / "other.json") + " has config['training']"),
             (["--models", added], "--models and --add-to go together")):
-        done = subprocess.run([sys.executable, str(script), "--quick", "--no-progress",
-                               "--out", str(tmp_path / "refused"), *options],
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+        try:
+            with pytest.raises(SystemExit) as refused:
+                module.main(["--quick", "--no-progress", "--out", str(tmp_path / "refused"),
+                             *options])
+        finally:
+            torch.set_num_threads(threads)
+        said = capsys.readouterr().err + str(refused.value.code)  # argparse's, or the exit's
+        assert refused.value.code not in (0, None) and message in said, said[-2000:]
