@@ -7,6 +7,7 @@ the setup cell of the assignments (make_notebook.DEFAULT_SETUP) first, as in a n
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -168,3 +169,69 @@ def test_a_replaced_function_is_still_caught():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["caught", "manual_seed", "caught", "assert_close", "caught",
                                    "manual_seed", "restored:", "clean"], done.stdout
+
+
+def test_assert_close_is_torchs_without_importing_dtensor():
+    """_grader.assert_close passes and fails exactly as torch.testing.assert_close, with the
+    same messages, but leaves torch.distributed.tensor (and sympy) unimported: torch's first
+    call imports them to unwrap DTensors, about a second of CPU in every graded notebook."""
+    done = _run_cells("""
+        import sys
+
+        cases = [
+            (torch.ones(3), torch.ones(3) + 1e-3, {}),
+            (torch.ones(3), torch.ones(3) + 1e-3, {"rtol": 1e-2, "atol": 0}),
+            (torch.ones(3), torch.ones(3, dtype=torch.float64), {}),
+            (torch.ones(3), torch.ones(3, dtype=torch.float64), {"check_dtype": False}),
+            (torch.ones(3), torch.ones(4), {}),
+            (1.0, 1.1, {}),
+            ((torch.ones(2), 3), (torch.ones(2), 4), {}),
+            (torch.tensor([float("nan")]), torch.tensor([float("nan")]), {}),
+            (torch.tensor([float("nan")]), torch.tensor([float("nan")]), {"equal_nan": True}),
+            (torch.ones(2, 2), torch.ones(2, 2).t(), {"check_stride": True}),
+            (torch.ones(3), 2 * torch.ones(3), {"msg": "custom message"}),
+        ]
+
+        def outcome(function, actual, expected, options):
+            try:
+                function(actual, expected, **options)
+            except Exception as error:
+                return f"{type(error).__name__}: {error}"
+            return "passed"
+
+        ours = [outcome(_grader.assert_close, *case) for case in cases]
+        print("dtensor after ours:", "torch.distributed.tensor" in sys.modules,
+              "sympy" in sys.modules)
+        theirs = [outcome(torch.testing.assert_close, *case) for case in cases]
+        print("dtensor after torch's:", "torch.distributed.tensor" in sys.modules)
+        print("passed:", [o == "passed" for o in ours])
+        print("same:", ours == theirs)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "dtensor after ours: False False", lines
+    assert lines[1] == "dtensor after torch's: True", lines  # what the wrapper avoids
+    assert lines[2] == ("passed: [False, True, False, True, False, False, False, False, True, "
+                        "False, False]"), lines
+    assert lines[3] == "same: True", lines
+
+
+def test_test_cells_dispatch_modes_do_not_import_dynamo():
+    """A TorchDispatchMode subclass imports torch._dynamo at its first operator (about two
+    seconds of CPU, in every graded notebook) unless it overrides _should_skip_dynamo, as the
+    grader tools' modes do; so must every mode a test cell defines."""
+    import nbformat
+
+    missing, found = [], 0
+    for path in sorted((ROOT / "assignments" / "source").glob("*/*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            meta = cell.metadata.get("nbgrader", {})
+            if cell.cell_type != "code" or not meta.get("grade"):
+                continue
+            for match in re.finditer(r"^class (\w+)\((\w*DispatchMode)\):\n((?:    .*\n|\n)*)",
+                                     cell.source + "\n", re.M):
+                found += 1
+                if "def _should_skip_dynamo(cls)" not in match.group(3):
+                    missing.append(f"{path.stem} {meta['grade_id']} {match.group(1)}")
+    assert found >= 6, f"only {found} dispatch modes found: the pattern no longer matches"
+    assert missing == [], missing
