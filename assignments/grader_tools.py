@@ -251,6 +251,28 @@ def _make_grader():
         return result, types.SimpleNamespace(work=record.work, largest=record.largest,
                                              operators=record.operators)
 
+    class _Operators(_Recording):
+        # The name of every PyTorch operator run inside the block, in order.
+
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def operators(fn, *args, **kwargs):
+        """(fn(*args, **kwargs), the names of the PyTorch operators run during the call).
+
+        One name per operator run, in order ("aten.mm", "aten._softmax", ...); so len() of
+        the list counts them (a loop over n items runs at least n) and a test can look for
+        one that must not run (a library softmax in a hand-written one).
+        """
+        with _Operators() as record:
+            result = fn(*args, **kwargs)
+        return result, record.names
+
     def largest_allocation(fn, *args, **kwargs):
         """(fn(*args, **kwargs), elements of the largest tensor storage created during the call)."""
         with _LargestStorage() as record:
@@ -325,6 +347,7 @@ def _make_grader():
         peak_bytes=peak_bytes,
         work=work,
         cost_within=cost_within,
+        operators=operators,
         seed=seed,
         generator=generator,
         TamperedError=TamperedError,
