@@ -36,20 +36,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
-# Files whose module fixtures are too costly to set up twice (one Chromium; one graded course).
+# Files whose module fixtures are too costly to set up twice: one Chromium; one graded course;
+# one guarded kernel (tests/test_runtime_guard.py); one spawn of four ranks that import torch
+# (tests/test_distributed.py); one quick training run (tests/test_benchmark_recurrent.py). A
+# module fixture is set up once per worker that runs one of its tests: split over four
+# workers, the first three cost about 120 CPU-seconds more per `make test` (CPU_PROFILE).
 # In tests/test_sandbox.py only the tests of the graded course (``attacked``) need to stay
 # together: the two that grade or drive a kernel of their own may run elsewhere.
-WHOLE_FILES = ("tests/test_browser.py", "tests/test_sandbox.py")
+WHOLE_FILES = ("tests/test_browser.py", "tests/test_sandbox.py", "tests/test_runtime_guard.py",
+               "tests/test_distributed.py", "tests/test_benchmark_recurrent.py")
 ALONE_IN_WHOLE_FILES = ("test_sandbox_alone_holds", "test_sandboxed_kernel_directly")
 
 # The order in which ``make test`` hands out its groups (with --no-loadscope-reorder): the
 # longest first (a minute or two each: a graded assignment, the sandbox's graded course, the
-# browser checks, which may first install Chromium), then the benchmark scripts' quick runs
-# (tens of seconds), the notebooks (seconds), and the unit tests (milliseconds), which fill
-# the gaps at the end.
+# browser checks, which may first install Chromium), then the benchmark scripts' quick runs,
+# the guarded kernel and the ranks (tens of seconds), the notebooks (seconds), and the unit
+# tests (milliseconds), which fill the gaps at the end.
 COST_RANKS = (("tests/test_grading.py", "tests/test_sandbox.py", "tests/test_browser.py",
                "tests/test_instructor_cycle.py"),
-              ("tests/test_benchmark",))
+              ("tests/test_benchmark", "tests/test_runtime_guard.py",
+               "tests/test_distributed.py"))
 # Last of all: the grading under load (tests/test_grading_load.py), whose CPU-bound processes
 # would slow every test running beside them.
 LAST = ("tests/test_grading_load.py",)
