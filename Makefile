@@ -23,8 +23,13 @@ SOURCES  := $(wildcard assignments/source/*/*.ipynb)
 # earlier state; 552 s with 3 and 507 s with 4 for its pytest part on one clone, stop 24). A
 # notebook's cells stay on one worker (--dist loadfile), and so do the tests of one graded
 # assignment (--dist loadgroup, grouped by tests/conftest.py), which is graded once.
+# PYTHONDONTWRITEBYTECODE emptied (unset, for Python) for the test runs: where the shell sets it,
+# each worker would otherwise rewrite the asserts of 177 test and plugin files again (7 CPU-s
+# of its 14 to collect the tests) and each subprocess recompile the project's modules. The
+# caches go to __pycache__ folders, ignored by git; sandboxed kernels never see this variable.
 WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 2 )))
-PYTEST  := OMP_NUM_THREADS=1 $(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS)
+PYTEST  := OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(BIN)/pytest -q -p no:cacheprovider \
+           -n $(WORKERS)
 
 # Debian packages the tests use, installed by .ci/ensure-packages when missing (as root; anyone
 # else is told the command). The browser test drives CHROMIUM_PATH (Debian's chromium, or
