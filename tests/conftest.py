@@ -4,7 +4,8 @@
 - With pytest-xdist and ``--dist loadgroup`` (``make grading``, ``make test``), the tests of one
   assignment in tests/test_grading.py go to one worker, which grades that assignment once; the
   cells of one notebook (nbval) go to one worker, which runs them in order in one kernel; and
-  the browser tests go to one worker, which starts one Chromium. ``make test`` hands out the
+  the browser tests go to one worker, which starts one Chromium (so do the other files of
+  ``WHOLE_FILES``, whose module fixtures are costly). ``make test`` hands out the
   longest groups first (``cost_rank``). xdist's own ``xdist_group``
   mark does not work with pytest 9 (xdist 3.8 renames the items' node ids, which pytest 9 no
   longer allows), so the groups are read from the node ids.
@@ -40,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
 # one guarded kernel (tests/test_runtime_guard.py); one spawn of four ranks that import torch
 # (tests/test_distributed.py); one quick training run (tests/test_benchmark_recurrent.py). A
 # module fixture is set up once per worker that runs one of its tests: split over four
-# workers, the first three cost about 120 CPU-seconds more per `make test` (CPU_PROFILE).
+# workers, the last three cost about 120 CPU-seconds more per `make test` (CPU_PROFILE).
 # In tests/test_sandbox.py only the tests of the graded course (``attacked``) need to stay
 # together: the two that grade or drive a kernel of their own may run elsewhere.
 WHOLE_FILES = ("tests/test_browser.py", "tests/test_sandbox.py", "tests/test_runtime_guard.py",
