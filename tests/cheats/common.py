@@ -210,7 +210,9 @@ def broken(source, offset: int = 0):
     for edit, cell in zip(edits, intact, strict=False):
         done.append(f"{edit} {grade_id(cell)}")
         if edit == "duplicate":
-            nb.cells.insert(nb.cells.index(cell) + 1, copy.deepcopy(cell))
+            duplicate = copy.deepcopy(cell)  # Jupyter gives a copied cell an id of its own
+            duplicate["id"] = f"{cell.get('id', 'cell')}-copy"[-64:]
+            nb.cells.insert(nb.cells.index(cell) + 1, duplicate)
         elif edit == "rename":
             cell.metadata["nbgrader"]["grade_id"] += "-copy"
         elif edit == "retype":
